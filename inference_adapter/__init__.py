@@ -1,0 +1,1 @@
+"""Engine side: Llama-family model, paged KV pool, store connector, chat sessions."""

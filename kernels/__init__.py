@@ -1,0 +1,1 @@
+"""Triton kernels (paged attention, copy+RoPE) with torch reference implementations."""

@@ -1,0 +1,1 @@
+"""Protocol definitions (kvstore/v1/kvstore.proto) and their generated code."""
