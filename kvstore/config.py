@@ -1,0 +1,348 @@
+"""Configuration: one frozen dataclass tree, loaded from TOML, overridden by the environment.
+
+Order of precedence (later wins): the embedded defaults below, a TOML file
+(``kvstore serve --config kvstore.toml``), ``KVSTORE_SECTION__KEY`` environment variables
+(``KVSTORE_SSD__CAPACITY=64GiB``), then explicit overrides (CLI flags) passed to
+:func:`load_config`. Every value is checked once, here: an unknown section or key, a wrong
+type, a negative size or an impossible combination raises :class:`ConfigError` naming the key
+and the value. Sizes accept units (``"512MiB"``, ``"8GiB"``, ``"1.5GB"``, plain bytes);
+durations accept ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or seconds as a number.
+
+The annotated example is ``deploy/kvstore.example.toml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import platformdirs
+
+from kvstore.policies import EVICTION_POLICIES, WRITE_POLICIES
+
+COMPRESSIONS: Final = ("none", "lz4", "lz4_shuffle")
+ENV_PREFIX: Final = "KVSTORE_"
+
+_SIZE_UNITS: Final = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+_DURATION_UNITS: Final = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NUMBER_WITH_UNIT: Final = re.compile(
+    r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$"
+)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key and the value."""
+
+
+def size(default: int) -> int:
+    """A field holding a byte count that accepts units in TOML and the environment."""
+    return field(default=default, metadata={"kind": "size"})
+
+
+def duration(default: float) -> float:
+    """A field holding seconds that accepts units ("30s", "5m") in TOML and the environment."""
+    return field(default=default, metadata={"kind": "duration"})
+
+
+def default_ssd_directory() -> str:
+    return str(Path(platformdirs.user_cache_dir("kvstore")) / "blocks")
+
+
+@dataclass(frozen=True, slots=True)
+class HostConfig:
+    """The shared-memory host tier: the top tier, where every put lands and reads are served."""
+
+    enabled: bool = True
+    capacity: int = size(default=4 * 2**30)
+    directory: str = "/dev/shm"
+    ttl: float = duration(default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class SsdConfig:
+    """The local SSD tier."""
+
+    enabled: bool = True
+    directory: str = field(default_factory=default_ssd_directory)
+    capacity: int = size(default=64 * 2**30)
+    write_policy: str = "write_back"
+    selective_hits: int = 2
+    compression: str = "lz4_shuffle"
+    ttl: float = duration(default=0.0)
+    fsync: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """The Redis tier, shared between nodes (off unless configured)."""
+
+    enabled: bool = False
+    url: str = "redis://127.0.0.1:6379/0"
+    capacity: int = size(default=16 * 2**30)
+    key_prefix: str = "kvstore"
+    write_policy: str = "write_back"
+    selective_hits: int = 2
+    compression: str = "lz4_shuffle"
+    ttl: float = duration(default=0.0)
+    pool_size: int = 16
+    timeout: float = duration(default=1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionConfig:
+    """When and what to evict: start at ``high_watermark`` of a tier, stop at ``low_watermark``."""
+
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole configuration tree."""
+
+    host: HostConfig = field(default_factory=HostConfig)
+    ssd: SsdConfig = field(default_factory=SsdConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def parse_size(text: str | float, key: str = "size") -> int:
+    """Parses ``"8GiB"``, ``"512MiB"``, ``"1.5GB"`` or a byte count into bytes.
+
+    Raises:
+        ConfigError: the text is not a size, or the size is negative.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"{key}: expected a size like '8GiB', got {text!r}")
+    value: float
+    if isinstance(text, int | float):
+        value = text
+    else:
+        match = _NUMBER_WITH_UNIT.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ConfigError(f"{key}: expected a size like '8GiB' or '512MiB', got {text!r}")
+        value = float(match.group(1)) * _SIZE_UNITS[unit]
+    if value < 0:
+        raise ConfigError(f"{key}: size must not be negative, got {text!r}")
+    return int(value)
+
+
+def parse_duration(text: str | float, key: str = "duration") -> float:
+    """Parses ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or a number of seconds.
+
+    Raises:
+        ConfigError: the text is not a duration, or the duration is negative.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"{key}: expected a duration like '30s', got {text!r}")
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        match = _NUMBER_WITH_UNIT.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _DURATION_UNITS:
+            raise ConfigError(f"{key}: expected a duration like '30s' or '5m', got {text!r}")
+        value = float(match.group(1)) * _DURATION_UNITS[unit]
+    if value < 0:
+        raise ConfigError(f"{key}: duration must not be negative, got {text!r}")
+    return value
+
+
+def _parse_bool(value: object, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _parse_int(value: object, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
+        return int(value)
+    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+
+
+def _parse_float(value: object, key: str) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: expected a number, got {value!r}")
+
+
+def _parse_str(value: object, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{key}: expected a string, got {value!r}")
+
+
+def _convert(spec: dataclasses.Field[object], value: object, key: str) -> object:
+    kind = spec.metadata.get("kind")
+    if kind == "size":
+        if not isinstance(value, str | int | float):
+            raise ConfigError(f"{key}: expected a size like '8GiB', got {value!r}")
+        return parse_size(value, key)
+    if kind == "duration":
+        if not isinstance(value, str | int | float):
+            raise ConfigError(f"{key}: expected a duration like '30s', got {value!r}")
+        return parse_duration(value, key)
+    parsers = {"bool": _parse_bool, "int": _parse_int, "float": _parse_float, "str": _parse_str}
+    return parsers[str(spec.type)](value, key)
+
+
+def _section(cls: type[object], values: Mapping[str, object], section: str) -> object:
+    specs = {spec.name: spec for spec in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs = {}
+    for name, value in values.items():
+        if name not in specs:
+            known = ", ".join(sorted(specs))
+            raise ConfigError(f"unknown key '{section}.{name}' (known keys: {known})")
+        kwargs[name] = _convert(specs[name], value, f"{section}.{name}")
+    return cls(**kwargs)
+
+
+def _sections() -> dict[str, type[object]]:
+    return {spec.name: spec.default_factory for spec in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def from_mapping(data: Mapping[str, object]) -> Config:
+    """Builds a :class:`Config` from nested mappings (parsed TOML), checking every key.
+
+    Raises:
+        ConfigError: unknown section or key, wrong type, bad value or combination.
+    """
+    sections = _sections()
+    kwargs = {}
+    for name, values in data.items():
+        if name not in sections:
+            raise ConfigError(f"unknown section '{name}' (known: {', '.join(sorted(sections))})")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"section '{name}' must be a table, got {values!r}")
+        kwargs[name] = _section(sections[name], values, name)
+    return Config(**kwargs)  # type: ignore[arg-type]
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Collects ``KVSTORE_SECTION__KEY=value`` variables into nested mappings.
+
+    Raises:
+        ConfigError: a ``KVSTORE_`` variable without the ``SECTION__KEY`` shape.
+    """
+    overrides: dict[str, dict[str, str]] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if not section or not key:
+            raise ConfigError(f"environment variable {name}: expected KVSTORE_SECTION__KEY")
+        overrides.setdefault(section, {})[key] = value
+    return overrides
+
+
+def _merge(base: dict[str, dict[str, object]], extra: Mapping[str, Mapping[str, object]]) -> None:
+    for section, values in extra.items():
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"section '{section}' must be a table, got {values!r}")
+        base.setdefault(section, {}).update(values)
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, object]] | None = None,
+) -> Config:
+    """Loads the configuration: defaults, then the TOML file, the environment, ``overrides``.
+
+    Args:
+        path: a TOML file, or None for the embedded defaults.
+        environ: the environment to read ``KVSTORE_SECTION__KEY`` from (default ``os.environ``).
+        overrides: values that win over everything else (from CLI flags), as nested mappings.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, or any value is invalid.
+    """
+    merged: dict[str, dict[str, object]] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                _merge(merged, tomllib.load(handle))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+    _merge(merged, env_overrides(os.environ if environ is None else environ))
+    _merge(merged, overrides or {})
+    return from_mapping(merged)
+
+
+def validate(config: Config) -> None:
+    """Checks values and combinations; raises :class:`ConfigError` naming the key and value."""
+    for section in ("ssd", "redis"):
+        tier = getattr(config, section)
+        _check_choice(f"{section}.write_policy", tier.write_policy, tuple(WRITE_POLICIES))
+        _check_choice(f"{section}.compression", tier.compression, COMPRESSIONS)
+        if tier.selective_hits < 1:
+            raise ConfigError(f"{section}.selective_hits must be >= 1, got {tier.selective_hits}")
+    _check_choice("eviction.policy", config.eviction.policy, tuple(EVICTION_POLICIES))
+    low, high = config.eviction.low_watermark, config.eviction.high_watermark
+    if not 0.0 < low < high <= 1.0:
+        raise ConfigError(
+            f"eviction watermarks need 0 < low_watermark < high_watermark <= 1, "
+            f"got low_watermark={low} high_watermark={high}"
+        )
+    if config.redis.pool_size < 1:
+        raise ConfigError(f"redis.pool_size must be >= 1, got {config.redis.pool_size}")
+    _check_tiers(config)
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_tiers(config: Config) -> None:
+    tiers: list[tuple[str, HostConfig | SsdConfig | RedisConfig]] = [
+        ("host", config.host),
+        ("ssd", config.ssd),
+        ("redis", config.redis),
+    ]
+    enabled = [(name, tier) for name, tier in tiers if tier.enabled]
+    if not enabled:
+        raise ConfigError("at least one tier must be enabled (host.enabled, ssd.enabled, ...)")
+    for name, tier in enabled:
+        if tier.capacity <= 0:
+            raise ConfigError(f"{name}.capacity must be positive, got {tier.capacity}")
+    # Write-through copies everything the tier above holds, so it must be at least as large.
+    for (upper_name, upper), (name, tier) in itertools.pairwise(enabled):
+        policy = getattr(tier, "write_policy", "write_through")
+        if policy == "write_through" and tier.capacity < upper.capacity:
+            raise ConfigError(
+                f"{name}.capacity ({tier.capacity} bytes) is smaller than {upper_name}.capacity "
+                f"({upper.capacity} bytes) while {name}.write_policy is write_through: "
+                f"every block in {upper_name} is also written to {name}"
+            )
