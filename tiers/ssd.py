@@ -1,0 +1,507 @@
+"""The SSD tier: one file per blob in a local directory, rebuilt from its files on restart.
+
+Layout: ``<directory>/<first 2 hex of key>/<key hex>.blk`` holds one record; writes in flight
+live in ``<directory>/tmp/``. A record is self-describing so the tier can check itself without
+knowing anything about KV blocks::
+
+    offset  size  field
+    0       8     magic b"KVSSD001" (the last three digits are the format version)
+    8       2     key length, uint16 little-endian
+    10      2     reserved, zero
+    12      8     blob length, uint64 little-endian
+    20      4     crc32 of bytes 0..20 followed by the key bytes
+    24      k     key
+    24+k    n     blob
+
+Primitives, in the order a tier's life uses them:
+
+1. ``start()`` -- create the directories, delete temp files left by a crash, read every record
+   header (never the blobs) to rebuild the index; drop records that are truncated, have a bad
+   header or sit under another key's name; trim the oldest records if over capacity.
+2. ``put()`` -- reserve the bytes, write a temp file, fsync, ``os.replace`` it into place and
+   fsync the directory: a reader sees the old blob or the new one, and a crash leaves at most a
+   temp file. Writes to one key are serialised; writes to different keys run in parallel.
+3. ``get()`` / ``get_range()`` -- read the header, check it, read only the requested bytes.
+   A bad header found on read is a miss, and the record is deleted.
+4. ``contains()``, ``contains_many()``, ``keys()``, ``usage()`` -- answered from the index.
+5. ``delete()``, then ``aclose()``, which waits for writes in flight.
+
+The blob bytes carry no checksum here: the block codec one layer up checksums every layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import struct
+import zlib
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import aiofiles
+import aiofiles.threadpool.binary
+
+from kvstore.tiers.base import (
+    MAX_KEY_BYTES,
+    BlobTooLargeError,
+    Buffer,
+    TierClosedError,
+    check_key,
+    check_range,
+)
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVSSD001"
+_FIELDS = struct.Struct("<8sHHQ")  # magic, key length, reserved, blob length
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _FIELDS.size + _CRC.size  # 24
+SUFFIX = ".blk"
+TMP_DIR = "tmp"
+
+
+class CorruptRecordError(Exception):
+    """A record whose header does not describe the file it sits in."""
+
+
+def record_overhead(key_len: int) -> int:
+    """Returns the bytes a record spends on top of its blob: the header and the key."""
+    return HEADER_BYTES + key_len
+
+
+def encode_header(key: bytes, blob_len: int) -> bytes:
+    """Returns the header and key bytes that start the record of ``key``."""
+    fields = _FIELDS.pack(MAGIC, len(key), 0, blob_len)
+    return fields + _CRC.pack(zlib.crc32(key, zlib.crc32(fields))) + key
+
+
+def decode_header(head: bytes) -> tuple[bytes, int]:
+    """Returns ``(key, blob_len)`` from the first bytes of a record.
+
+    Raises:
+        CorruptRecordError: short read, bad magic, key length or crc.
+    """
+    if len(head) < HEADER_BYTES:
+        raise CorruptRecordError(f"header is {len(head)} bytes, want {HEADER_BYTES}")
+    magic, key_len, _, blob_len = _FIELDS.unpack_from(head)
+    if magic != MAGIC:
+        raise CorruptRecordError(f"bad magic {magic!r}")
+    if not 0 < key_len <= MAX_KEY_BYTES or len(head) < HEADER_BYTES + key_len:
+        raise CorruptRecordError(f"bad key length {key_len}")
+    key = head[HEADER_BYTES : HEADER_BYTES + key_len]
+    (crc,) = _CRC.unpack_from(head, _FIELDS.size)
+    if crc != zlib.crc32(key, zlib.crc32(head[: _FIELDS.size])):
+        raise CorruptRecordError("header crc mismatch")
+    return key, blob_len
+
+
+@dataclass(frozen=True, slots=True)
+class SsdStats:
+    """Counters of one SSD tier."""
+
+    records: int
+    usage_bytes: int
+    capacity_bytes: int
+    dropped_on_start: int
+    trimmed_on_start: int
+    corrupt_reads: int
+
+
+class SsdTier:
+    """A :class:`~kvstore.tiers.base.Tier` keeping one file per blob under ``directory``.
+
+    Args:
+        directory: Folder owned by this tier; created on ``start()``.
+        capacity_bytes: Most bytes of records (headers, keys and blobs) kept on disk.
+        name: Name used in logs and metrics.
+        fsync: Make every put durable (file and directory fsync) before it returns.
+
+    Raises:
+        ValueError: A non-positive capacity, an empty directory or name.
+    """
+
+    def __init__(
+        self, directory: str | Path, capacity_bytes: int, *, name: str = "ssd", fsync: bool = True
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise ValueError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if not str(directory):
+            raise ValueError(f"directory must not be empty, got {directory!r}")
+        if not name:
+            raise ValueError(f"name must not be empty, got {name!r}")
+        self.name = name
+        self.directory = Path(directory)
+        self.dropped_on_start = 0
+        self.trimmed_on_start = 0
+        self.corrupt_reads = 0
+        self._capacity = capacity_bytes
+        self._fsync = fsync
+        self._index: dict[bytes, int] = {}  # key -> record bytes on disk
+        self._used = 0  # committed records + bytes reserved by puts in flight
+        self._locks = _KeyLocks()
+        self._writes: set[asyncio.Task[bool]] = set()
+        self._seq = itertools.count()
+        self._open = False
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Creates the directories and rebuilds the index from the record files."""
+        if self._open:
+            return
+        found = await asyncio.to_thread(_recover, self.directory, self._capacity)
+        self._index = found.index
+        self._used = sum(found.index.values())
+        self.dropped_on_start = found.dropped
+        self.trimmed_on_start = found.trimmed
+        self._open = True
+        logger.info(
+            "ssd tier %s: %d records, %d bytes; dropped %d bad files, trimmed %d records",
+            self.name, len(self._index), self._used, found.dropped, found.trimmed,
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        """Waits for the writes in flight and closes the tier."""
+        self._open = False
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+
+    def path_of(self, key: bytes) -> Path:
+        """Returns the file that holds (or would hold) the record of ``key``."""
+        hexkey: str = check_key(key).hex()
+        return self.directory / hexkey[:2] / f"{hexkey}{SUFFIX}"
+
+    @staticmethod
+    def record_overhead(key_len: int) -> int:
+        """Returns the bytes a record spends on top of its blob (header and key)."""
+        return record_overhead(key_len)
+
+    async def put(self, key: bytes, data: Buffer) -> bool:
+        """Stores ``data`` under ``key``, replacing any older blob atomically.
+
+        A put that is cancelled still finishes in the background (the usage stays exact);
+        the caller must not modify ``data`` until then.
+
+        Returns:
+            ``True`` when stored; ``False`` when there is no room or the disk refused the write.
+
+        Raises:
+            BlobTooLargeError: The record is larger than the whole tier.
+            TierClosedError: The tier is not started.
+        """
+        key = self._checked(key)
+        view = memoryview(data).cast("B")
+        size = record_overhead(len(key)) + view.nbytes
+        if size > self._capacity:
+            raise BlobTooLargeError(
+                f"record of {size} bytes exceeds the capacity of tier {self.name} "
+                f"({self._capacity} bytes)"
+            )
+        task = asyncio.create_task(self._put_locked(key, view, size), name=f"{self.name}-put")
+        self._writes.add(task)
+        task.add_done_callback(self._write_done)
+        return await asyncio.shield(task)
+
+    async def get(self, key: bytes) -> bytes | None:
+        """Returns the blob stored under ``key``, or ``None`` on a miss."""
+        key = self._checked(key)
+        if key not in self._index:
+            return None
+        return await self._read(key, 0, None)
+
+    async def get_range(self, key: bytes, offset: int, length: int) -> bytes | None:
+        """Returns ``length`` bytes of the blob from ``offset`` (fewer at its end), or ``None``.
+
+        Raises:
+            InvalidRangeError: A negative ``offset`` or ``length``.
+        """
+        key = self._checked(key)
+        check_range(offset, length)
+        if key not in self._index:
+            return None
+        return await self._read(key, offset, length)
+
+    async def contains(self, key: bytes) -> bool:
+        """Returns whether ``key`` is held."""
+        return self._checked(key) in self._index
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Returns one ``contains`` answer per key."""
+        return [self._checked(key) in self._index for key in keys]
+
+    async def delete(self, key: bytes) -> bool:
+        """Deletes ``key``; returns whether it was held."""
+        key = self._checked(key)
+        async with self._locks.hold(key):
+            size = self._index.pop(key, None)
+            if size is None:
+                return False
+            self._used -= size
+            await asyncio.to_thread(_remove_quietly, self.path_of(key))
+            return True
+
+    def keys(self) -> Iterable[bytes]:
+        """Returns a snapshot of the keys held."""
+        return list(self._index)
+
+    def usage(self) -> int:
+        """Returns the bytes used on disk, counting writes in flight."""
+        return self._used
+
+    def capacity(self) -> int:
+        """Returns the capacity in bytes."""
+        return self._capacity
+
+    def healthy(self) -> bool:
+        """Returns whether the tier is started and not closed."""
+        return self._open
+
+    def stats(self) -> SsdStats:
+        """Returns the tier's counters."""
+        return SsdStats(
+            records=len(self._index),
+            usage_bytes=self._used,
+            capacity_bytes=self._capacity,
+            dropped_on_start=self.dropped_on_start,
+            trimmed_on_start=self.trimmed_on_start,
+            corrupt_reads=self.corrupt_reads,
+        )
+
+    def _checked(self, key: bytes) -> bytes:
+        if not self._open:
+            raise TierClosedError(f"ssd tier {self.name} is not started or already closed")
+        checked: bytes = check_key(key)
+        return checked
+
+    def _write_done(self, task: asyncio.Task[bool]) -> None:
+        self._writes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("ssd tier %s: put failed: %r", self.name, task.exception())
+
+    async def _put_locked(self, key: bytes, view: memoryview, size: int) -> bool:
+        async with self._locks.hold(key):
+            old = self._index.get(key, 0)
+            # Reserve growth before awaiting so concurrent puts cannot overshoot together;
+            # a shrinking replace frees its bytes only once the new record is in place.
+            grow = max(size - old, 0)
+            if self._used + grow > self._capacity:
+                return False
+            self._used += grow
+            try:
+                await self._write_record(key, view)
+            except OSError as exc:
+                self._used -= grow
+                logger.warning("ssd tier %s: write of %s failed: %s", self.name, key.hex(), exc)
+                return False
+            except BaseException:
+                self._used -= grow
+                raise
+            self._used += size - old - grow
+            self._index[key] = size
+            return True
+
+    async def _write_record(self, key: bytes, view: memoryview) -> None:
+        tmp = self.directory / TMP_DIR / f"{key.hex()}.{os.getpid()}.{next(self._seq)}.tmp"
+        try:
+            async with aiofiles.open(tmp, "wb") as file:
+                await file.write(encode_header(key, view.nbytes))
+                await file.write(view)
+                await file.flush()
+                if self._fsync:
+                    await asyncio.to_thread(os.fsync, file.fileno())
+            await asyncio.to_thread(_install, tmp, self.path_of(key), self._fsync)
+        except BaseException:
+            await asyncio.to_thread(_remove_quietly, tmp)
+            raise
+
+    async def _read(self, key: bytes, offset: int, length: int | None) -> bytes | None:
+        path = self.path_of(key)
+        try:
+            async with aiofiles.open(path, "rb") as file:
+                try:
+                    return await _read_record(file, key, offset, length)
+                except CorruptRecordError as exc:
+                    inode = (await asyncio.to_thread(os.fstat, file.fileno())).st_ino
+                    reason = str(exc)
+        except FileNotFoundError:
+            inode, reason = None, "file is missing"
+        except OSError as exc:
+            logger.warning("ssd tier %s: read of %s failed: %s", self.name, key.hex(), exc)
+            return None
+        await self._drop_bad(key, inode, reason)
+        return None
+
+    async def _drop_bad(self, key: bytes, inode: int | None, reason: str) -> None:
+        async with self._locks.hold(key):
+            # A put may have replaced the bad file since it was read: keep the new one.
+            if not await asyncio.to_thread(_remove_if_same, self.path_of(key), inode):
+                return
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+                self.corrupt_reads += 1
+                logger.warning("ssd tier %s: dropped %s: %s", self.name, key.hex(), reason)
+
+
+async def _read_record(
+    file: aiofiles.threadpool.binary.AsyncBufferedReader,
+    key: bytes,
+    offset: int,
+    length: int | None,
+) -> bytes:
+    start = record_overhead(len(key))
+    stored_key, blob_len = decode_header(await file.read(start))
+    if stored_key != key:
+        raise CorruptRecordError(f"record holds key {stored_key.hex()}")
+    offset = min(offset, blob_len)
+    count = blob_len - offset if length is None else min(length, blob_len - offset)
+    if count == 0:
+        return b""
+    if offset:
+        await file.seek(start + offset)
+    data = await file.read(count)
+    if len(data) != count:
+        raise CorruptRecordError(f"record truncated: read {len(data)} of {count} bytes")
+    return data
+
+
+class _KeyLocks:
+    """One ``asyncio.Lock`` per key in use, forgotten when nobody holds or awaits it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[bytes, asyncio.Lock] = {}
+        self._users: dict[bytes, int] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: bytes) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._users[key] -= 1
+            if not self._users[key]:
+                del self._users[key], self._locks[key]
+
+
+# Blocking helpers below run in worker threads (asyncio.to_thread), never on the event loop.
+
+
+@dataclass(frozen=True, slots=True)
+class _Recovery:
+    index: dict[bytes, int]
+    dropped: int
+    trimmed: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    key: bytes
+    size: int
+    mtime_ns: int
+    path: Path
+
+
+def _recover(root: Path, capacity: int) -> _Recovery:
+    tmp = root / TMP_DIR
+    tmp.mkdir(parents=True, exist_ok=True)
+    for prefix in range(256):
+        (root / f"{prefix:02x}").mkdir(exist_ok=True)
+    _fsync_dir(root)
+    dropped = 0
+    for leftover in tmp.iterdir():
+        _remove_quietly(leftover)
+        dropped += 1
+    found: list[_Found] = []
+    for path in _record_files(root):
+        record = _check_file(path)
+        if record is None:
+            _remove_quietly(path)
+            dropped += 1
+        else:
+            found.append(record)
+    kept = _trim(found, capacity)
+    return _Recovery({r.key: r.size for r in kept}, dropped, len(found) - len(kept))
+
+
+def _record_files(root: Path) -> Iterable[Path]:
+    # Only the 256 prefix folders: other entries (lost+found on a mount point) are not ours.
+    for prefix in range(256):
+        for path in (root / f"{prefix:02x}").iterdir():
+            if path.name.endswith(SUFFIX):
+                yield path
+
+
+def _check_file(path: Path) -> _Found | None:
+    try:
+        with path.open("rb") as file:
+            key, blob_len = decode_header(file.read(HEADER_BYTES + MAX_KEY_BYTES))
+            stat = os.fstat(file.fileno())
+    except (OSError, CorruptRecordError) as exc:
+        logger.warning("ssd: dropping %s: %s", path, exc)
+        return None
+    size = record_overhead(len(key)) + blob_len
+    if stat.st_size != size:
+        logger.warning("ssd: dropping %s: %d bytes, header says %d", path, stat.st_size, size)
+        return None
+    if path.name != f"{key.hex()}{SUFFIX}" or path.parent.name != key.hex()[:2]:
+        logger.warning("ssd: dropping %s: it holds key %s", path, key.hex())
+        return None
+    return _Found(key, size, stat.st_mtime_ns, path)
+
+
+def _trim(found: list[_Found], capacity: int) -> list[_Found]:
+    """Deletes the oldest records until the rest fit in ``capacity``; returns the rest."""
+    found.sort(key=lambda record: record.mtime_ns)
+    excess = sum(record.size for record in found) - capacity
+    cut = 0
+    while excess > 0:
+        _remove_quietly(found[cut].path)
+        excess -= found[cut].size
+        cut += 1
+    if cut:
+        logger.warning("ssd: over capacity at start, deleted the %d oldest records", cut)
+    return found[cut:]
+
+
+def _install(tmp: Path, path: Path, fsync: bool) -> None:
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_if_same(path: Path, inode: int | None) -> bool:
+    """Removes ``path`` if it is still the file ``inode``; ``True`` when that file is gone."""
+    try:
+        if os.stat(path).st_ino != inode:
+            return False  # a newer record took its place (or it was missing and came back)
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    return True
+
+
+def _remove_quietly(path: Path) -> None:
+    with suppress(FileNotFoundError):
+        os.remove(path)
