@@ -1,0 +1,62 @@
+"""Values the block store returns: put outcomes, lookups, blocks, leases and statistics."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvstore.index import BlockMeta
+
+
+class PutStatus(enum.Enum):
+    STORED = "stored"
+    DEDUP = "dedup"  # the key is already held (or being written): no new space used
+    NO_SPACE = "no_space"  # every tier is full of blocks that may not be evicted
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_blocks: int
+    tiers: tuple[str, ...]  # per matched block, the highest tier holding it
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    key: bytes
+    parent: bytes
+    meta: BlockMeta
+    payload: bytes  # raw layer-major KV: [layer][k|v][kv_head][token][head_dim]
+    tier: str  # where this read found it
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    num_blocks: int
+    expires_at: float  # time.monotonic() deadline
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    usage_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: int
+    evictions: int
+    healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    tiers: tuple[TierStats, ...]
+    blocks: int
+    puts: int
+    dedup_puts: int
+    gets: int
+    misses: int
+    promotions: int
+    demotions: int
+    dropped_saves: int
+    corrupt_blocks: int
+    active_leases: int

@@ -1,0 +1,423 @@
+"""The tier manager: puts, gets and moves KV blocks across the tiers, top to bottom.
+
+``BlockStore`` owns an ordered list of tiers (host shared memory, then SSD, then Redis; any
+may be disabled), the radix index and the policies. The top tier stores the raw layer-major
+payload (so co-located clients can view it in place); lower tiers store the encoded block
+(header with per-layer checksums + payload, compressed per the tier's config), checked on
+every read: a mismatch is a miss, the bad copy is deleted and ``corrupt_blocks`` goes up.
+
+Primitives, in the order a request uses them:
+
+1. ``lookup(keys)`` -> :class:`LookupResult`: how many leading blocks are held, and where
+   (shared tiers such as Redis are asked live for keys the local index lacks);
+2. ``pin(keys)`` -> :class:`Lease` on the leading held blocks; ``release(lease_id)``;
+3. ``get(key)`` -> :class:`Block` or ``None``; promotes to the top tier on a hit;
+   ``get_layer(key, layer)`` -> one layer's raw bytes;
+4. ``put(key, parent, meta, payload)`` -> :class:`PutStatus` (``DEDUP`` when the key is held:
+   identical prefixes are stored once);
+5. ``delete(key)``, ``flush()`` (write-back blocks to the tier below, for shutdown),
+   ``stats()``, and ``maintain()`` (lease expiry, TTLs, watermarks; also run periodically).
+
+Eviction takes unleased blocks without children in that tier, in eviction-policy order; a
+block leaves the store entirely only if it has no children at all (a parent outlives its
+children). Demotion copies a block down (per the lower tier's write policy) before freeing
+it above. The index and policies are synchronous; only tier I/O awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+from kvstore.config import Config
+from kvstore.errors import InvalidBlockError, StoreClosedError, UnknownLeaseError
+from kvstore.index import BlockMeta, RadixIndex
+from kvstore.policies import EvictionPolicy, eviction_policy, write_policy
+from kvstore.results import Block, Lease, LookupResult, PutStatus, StoreStats, TierStats
+from kvstore.tiering import CODECS, Placement, StoreTier
+from kvstore.tiers.base import Buffer
+
+__all__ = ["Block", "BlockStore", "Lease", "LookupResult", "PutStatus", "StoreStats", "StoreTier"]
+
+log = logging.getLogger(__name__)
+
+KEY_BYTES = 32
+
+
+@dataclass(slots=True)
+class _LeaseEntry:
+    keys: tuple[bytes, ...]
+    expires_at: float
+
+
+class BlockStore:
+    """Blocks across tiers; see the module docstring."""
+
+    def __init__(
+        self,
+        tiers: Sequence[StoreTier],
+        *,
+        eviction: EvictionPolicy,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        lease_ttl: float = 10.0,
+        maintenance_interval: float = 1.0,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a BlockStore needs at least one tier")
+        self._tiers = list(tiers)
+        self.index = RadixIndex()
+        self.policy = eviction
+        self._high, self._low = high_watermark, low_watermark
+        self._lease_ttl = lease_ttl
+        self._interval = maintenance_interval
+        self._leases: dict[int, _LeaseEntry] = {}
+        self._lease_ids = itertools.count(1)
+        self._counts: Counter[str] = Counter()
+        self._placement = Placement(self._tiers, self.index, self.policy, self._counts)
+        self._maintenance: asyncio.Task[None] | None = None
+        self._open = False
+
+    @classmethod
+    def from_config(cls, config: Config) -> BlockStore:
+        """Builds the tiers and policies that ``config`` describes (tiers not started)."""
+        from kvstore.tiers.host import HostTier
+        from kvstore.tiers.redis import RedisTier
+        from kvstore.tiers.ssd import SsdTier
+
+        tiers: list[StoreTier] = []
+        if config.host.enabled:
+            host = HostTier(config.host.capacity, directory=config.host.directory)
+            tiers.append(StoreTier(host, None, write_policy("write_through", 1), config.host.ttl))
+        if config.ssd.enabled:
+            ssd_cfg = config.ssd
+            ssd = SsdTier(
+                Path(ssd_cfg.directory).expanduser(), ssd_cfg.capacity, fsync=ssd_cfg.fsync
+            )
+            policy = write_policy(ssd_cfg.write_policy, ssd_cfg.selective_hits)
+            tiers.append(StoreTier(ssd, CODECS[ssd_cfg.compression], policy, ssd_cfg.ttl))
+        if config.redis.enabled:
+            rc = config.redis
+            redis = RedisTier(
+                rc.url,
+                rc.capacity,
+                key_prefix=rc.key_prefix,
+                ttl_s=rc.ttl or None,
+                pool_size=rc.pool_size,
+                timeout_s=rc.timeout,
+            )
+            policy = write_policy(rc.write_policy, rc.selective_hits)
+            tiers.append(StoreTier(redis, CODECS[rc.compression], policy, 0.0, shared=True))
+        return cls(
+            tiers,
+            eviction=eviction_policy(config.eviction.policy),
+            high_watermark=config.eviction.high_watermark,
+            low_watermark=config.eviction.low_watermark,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the tiers, rebuilds the index from persistent tiers, starts maintenance."""
+        for slot in self._tiers:
+            await slot.tier.start()
+        for slot in self._tiers:
+            if slot.codec is not None and not slot.shared:
+                await self._placement.rebuild_from(slot)
+        self._open = True
+        self._maintenance = asyncio.create_task(self._maintain_forever(), name="store-maintenance")
+
+    async def aclose(self, *, flush: bool = True) -> None:
+        """Stops maintenance, writes back what would be lost (``flush``), closes the tiers."""
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+            self._maintenance = None
+        if self._open and flush:
+            await self.flush()
+        self._open = False
+        for slot in self._tiers:
+            await slot.tier.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def tiers(self) -> tuple[StoreTier, ...]:
+        return tuple(self._tiers)
+
+    def tier(self, name: str) -> StoreTier:
+        for slot in self._tiers:
+            if slot.name == name:
+                return slot
+        raise KeyError(f"no tier named {name!r}; tiers: {[s.name for s in self._tiers]}")
+
+    # -- lookups and reads ------------------------------------------------------------------
+
+    def lookup_local(self, keys: Sequence[bytes]) -> LookupResult:
+        """Leading blocks of ``keys`` that the local index holds (no I/O)."""
+        self._check_open()
+        matched = self.index.match(keys)
+        return LookupResult(len(matched), tuple(self._placement.top_tier(node) for node in matched))
+
+    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Leading blocks of ``keys`` held here or, past the local prefix, in shared tiers."""
+        local = self.lookup_local(keys)
+        rest = list(keys[local.num_blocks :])
+        tiers = list(local.tiers)
+        for slot in self._tiers:
+            if not rest or not slot.shared:
+                continue
+            found = await slot.tier.contains_many(rest)
+            count = next((i for i, hit in enumerate(found) if not hit), len(found))
+            tiers += [slot.name] * count
+            rest = rest[count:]
+        return LookupResult(len(tiers), tuple(tiers))
+
+    async def get(self, key: bytes) -> Block | None:
+        """The block under ``key`` (a copy of its raw payload), or ``None`` on a miss.
+
+        A hit below the top tier is promoted; lower tiers with a selective write policy
+        receive the block when it reaches their hit threshold.
+        """
+        self._check_open()
+        _check_key("key", key)
+        self._counts["gets"] += 1
+        node = self.index.committed(key) or await self._placement.discover(key)
+        if node is None:
+            self._counts["misses"] += 1
+            return None
+        node.leases += 1
+        try:
+            found = await self._placement.read_any(node)
+        finally:
+            node.leases -= 1
+        if found is None:
+            self._counts["misses"] += 1
+            await self._placement.settle(node)
+            return None
+        slot, payload = found
+        self._placement.record_hit(node, slot)
+        if slot is not self._tiers[0]:
+            await self._placement.promote(node, payload)
+        await self._placement.write_selective(node, payload)
+        await self._placement.settle(node)
+        return Block(node.key, node.parent, node.meta, payload, slot.name)
+
+    async def get_layer(self, key: bytes, layer: int) -> bytes | None:
+        """Raw bytes of one layer of a block (no promotion), or ``None`` on a miss."""
+        self._check_open()
+        node = self.index.committed(key)
+        if node is None:
+            return None
+        offset, length = node.meta.layout.layer_range(layer)
+        node.leases += 1
+        try:
+            for slot in self._tiers:
+                if slot.name in node.tiers:
+                    data = await self._placement.read_layer(slot, node, layer, offset, length)
+                    if data is not None:
+                        return data
+            return None
+        finally:
+            node.leases -= 1
+            await self._placement.settle(node)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    async def put(self, key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer) -> PutStatus:
+        """Stores a block; it becomes visible only once a tier holds all of its bytes.
+
+        Raises:
+            InvalidBlockError: a key or parent that is not 32 bytes, or a payload whose size
+                differs from ``meta.layout.payload_bytes``.
+        """
+        self._check_open()
+        _check_block(key, parent, meta, payload)
+        existing = self.index.get(key)
+        if existing is not None:
+            existing.doomed = False  # same key, same content: a re-put revives a deleted block
+            existing.last_access = time.monotonic()
+            self._counts["dedup_puts"] += 1
+            return PutStatus.DEDUP
+        node = self.index.begin(key, parent, meta, memoryview(payload).nbytes)
+        node.busy += 1
+        try:
+            stored = await self._placement.store_in(self._tiers[0], node, payload)
+            for slot in self._tiers[1:]:
+                if slot.write.on_put:
+                    stored = await self._placement.store_in(slot, node, payload) or stored
+        finally:
+            node.busy -= 1
+        if not stored:
+            self.index.discard(key)
+            self._counts["dropped_saves"] += 1
+            return PutStatus.NO_SPACE
+        self.index.commit(key)
+        self._counts["puts"] += 1
+        await self.relieve_pressure()
+        return PutStatus.STORED
+
+    async def delete(self, key: bytes) -> int:
+        """Deletes a block and its descendants (unreachable without it); returns how many.
+
+        Blocks under a lease are hidden at once and freed when the lease ends.
+        """
+        self._check_open()
+        _check_key("key", key)
+        nodes = self.index.subtree(key)
+        for node in nodes:
+            node.doomed = True
+        for node in nodes:
+            await self._placement.settle(node)
+        return len(nodes)
+
+    async def flush(self) -> int:
+        """Copies blocks that live only in the top tier down where policy allows; a count.
+
+        Called on shutdown so write-back blocks survive a restart (the host tier does not).
+        """
+        if len(self._tiers) < 2 or self._tiers[0].codec is not None:
+            return 0
+        top, lower = self._tiers[0], self._tiers[1]
+        flushed = 0
+        for node in self.index.nodes():
+            if node.tiers != {top.name} or not node.committed or node.doomed:
+                continue
+            if not lower.write.admits_demotion(node.hits):
+                continue
+            payload = await self._placement.read_payload(top, node)
+            if payload is not None and await self._placement.store_in(lower, node, payload):
+                flushed += 1
+        log.info("flushed %d blocks from %s to %s", flushed, top.name, lower.name)
+        return flushed
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[bytes], ttl: float | None = None) -> Lease:
+        """Leases the leading held blocks of ``keys``: they are not evicted or freed until
+        :meth:`release` or the lease expires (``ttl`` seconds, default the store's)."""
+        self._check_open()
+        matched = self.index.match(keys)
+        for node in matched:
+            node.leases += 1
+        expires_at = time.monotonic() + (self._lease_ttl if ttl is None else ttl)
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = _LeaseEntry(tuple(n.key for n in matched), expires_at)
+        return Lease(lease_id, len(matched), expires_at)
+
+    async def release(self, lease_id: int) -> None:
+        """Ends a lease.
+
+        Raises:
+            UnknownLeaseError: the lease was never issued, or already ended.
+        """
+        entry = self._leases.pop(lease_id, None)
+        if entry is None:
+            raise UnknownLeaseError(f"lease {lease_id} is unknown, released or expired")
+        for key in entry.keys:
+            node = self.index.get(key)
+            if node is not None:
+                node.leases -= 1
+                await self._placement.settle(node)
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    async def maintain(self, now: float | None = None) -> None:
+        """Expires leases, applies tier TTLs and watermarks. Runs every second by itself."""
+        now = time.monotonic() if now is None else now
+        for lease_id, entry in list(self._leases.items()):
+            if entry.expires_at <= now:
+                log.info("lease %d expired with %d blocks", lease_id, len(entry.keys))
+                await self.release(lease_id)
+        for slot in self._tiers:
+            if slot.ttl > 0:
+                await self._placement.expire(slot, now - slot.ttl)
+        await self.relieve_pressure()
+
+    async def relieve_pressure(self) -> None:
+        """Evicts from each tier above its high watermark until it is under the low one."""
+        for slot in self._tiers:
+            capacity = slot.tier.capacity()
+            if slot.tier.usage() <= self._high * capacity:
+                continue
+            while slot.tier.usage() > self._low * capacity:
+                if not await self._placement.evict_one(slot):
+                    break
+
+    def stats(self) -> StoreStats:
+        blocks = Counter(name for node in self.index.nodes() for name in node.tiers)
+        tiers = tuple(
+            TierStats(
+                name=s.name,
+                usage_bytes=s.tier.usage(),
+                capacity_bytes=s.tier.capacity(),
+                blocks=blocks[s.name],
+                hits=self._counts[f"hits.{s.name}"],
+                evictions=self._counts[f"evictions.{s.name}"],
+                healthy=s.tier.healthy(),
+            )
+            for s in self._tiers
+        )
+        c = self._counts
+        return StoreStats(
+            tiers=tiers,
+            blocks=len(self.index),
+            puts=c["puts"],
+            dedup_puts=c["dedup_puts"],
+            gets=c["gets"],
+            misses=c["misses"],
+            promotions=c["promotions"],
+            demotions=c["demotions"],
+            dropped_saves=c["dropped_saves"],
+            corrupt_blocks=c["corrupt_blocks"],
+            active_leases=len(self._leases),
+        )
+
+    async def _maintain_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.maintain()
+            except Exception:
+                log.exception("store maintenance failed; retrying in %.1fs", self._interval)
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise StoreClosedError("the block store is not started, or already closed")
+
+
+def _check_key(name: str, value: object) -> None:
+    if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+        shown = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+        raise InvalidBlockError(f"{name} must be {KEY_BYTES} bytes, got {shown}")
+
+
+def _check_block(key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer) -> None:
+    _check_key("key", key)
+    _check_key("parent", parent)
+    if len(meta.namespace) != KEY_BYTES:
+        raise InvalidBlockError(f"namespace must be {KEY_BYTES} bytes, got {len(meta.namespace)}")
+    if not 0 < meta.num_tokens <= meta.layout.block_tokens:
+        raise InvalidBlockError(
+            f"num_tokens must be in 1..{meta.layout.block_tokens}, got {meta.num_tokens}"
+        )
+    size = memoryview(payload).nbytes
+    if size != meta.layout.payload_bytes:
+        raise InvalidBlockError(
+            f"payload is {size} bytes but the layout {meta.layout} needs "
+            f"{meta.layout.payload_bytes} bytes"
+        )

@@ -1,0 +1,320 @@
+"""Tier manager scenarios, narrated step by step, on real tiers (shm arena, files, Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from kvstore.blocks import ROOT_KEY, BlockLayout, Codec
+from kvstore.errors import InvalidBlockError, StoreClosedError, UnknownLeaseError
+from kvstore.index import BlockMeta
+from kvstore.policies import LruPolicy, write_policy
+from kvstore.store import BlockStore, PutStatus, StoreTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.ssd import SsdTier
+
+LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=16, head_dim=64, dtype="float16")
+BLOCK = LAYOUT.payload_bytes  # 16 KiB
+NAMESPACE = hashlib.sha256(b"test-namespace").digest()
+META = BlockMeta(NAMESPACE, LAYOUT.block_tokens, LAYOUT)
+
+
+def chain(name: str, length: int, parent: bytes = ROOT_KEY) -> list[tuple[bytes, bytes, bytes]]:
+    """``length`` chained (key, parent, payload) blocks; payload bytes derive from the key."""
+    blocks = []
+    for i in range(length):
+        key = hashlib.sha256(parent + f"{name}/{i}".encode()).digest()
+        payload = hashlib.shake_256(key).digest(BLOCK)
+        blocks.append((key, parent, payload))
+        parent = key
+    return blocks
+
+
+async def put_all(store: BlockStore, blocks: list[tuple[bytes, bytes, bytes]]) -> list[PutStatus]:
+    return [await store.put(key, parent, META, payload) for key, parent, payload in blocks]
+
+
+def keys_of(blocks: list[tuple[bytes, bytes, bytes]]) -> list[bytes]:
+    return [key for key, _, _ in blocks]
+
+
+Factory = Callable[..., AsyncIterator[BlockStore]]
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Callable[..., object]:
+    """Builds a started store: ``host_blocks`` of shm, optional SSD/Redis with a policy."""
+
+    @asynccontextmanager
+    async def factory(
+        host_blocks: int = 4,
+        ssd_policy: str | None = None,
+        ssd_blocks: int = 64,
+        ssd_dir: Path | None = None,
+        redis_url: str | None = None,
+        redis_policy: str = "write_through",
+        high: float = 1.0,
+        low: float = 0.75,
+        selective_hits: int = 2,
+        ssd_codec: Codec = Codec.LZ4_SHUFFLE,
+    ) -> AsyncIterator[BlockStore]:
+        tiers = []
+        if host_blocks:
+            host = HostTier(host_blocks * BLOCK, directory=tmp_path)
+            tiers.append(StoreTier(host, None, write_policy("write_through", 1)))
+        if ssd_policy is not None:
+            ssd = SsdTier(ssd_dir or tmp_path / "ssd", ssd_blocks * (BLOCK + 1024), fsync=False)
+            tiers.append(StoreTier(ssd, ssd_codec, write_policy(ssd_policy, selective_hits)))
+        if redis_url is not None:
+            redis = RedisTier(
+                redis_url, 1 << 30, key_prefix="store-test", timeout_s=0.3, retry_interval_s=0.1
+            )
+            policy = write_policy(redis_policy, selective_hits)
+            tiers.append(StoreTier(redis, Codec.LZ4, policy, shared=True))
+        store = BlockStore(
+            tiers, eviction=LruPolicy(), high_watermark=high, low_watermark=low, lease_ttl=5.0
+        )
+        async with store:
+            yield store
+
+    return factory
+
+
+async def test_shared_prefixes_are_stored_once(make_store) -> None:
+    async with make_store(host_blocks=16) as store:
+        # Two conversations share a 3-block system prompt, then diverge.
+        system = chain("system", 3)
+        alice = system + chain("alice", 2, parent=system[-1][0])
+        bob = system + chain("bob", 2, parent=system[-1][0])
+        assert await put_all(store, alice) == [PutStatus.STORED] * 5
+        # Bob's first three blocks are the same keys: no new space.
+        assert await put_all(store, bob) == [PutStatus.DEDUP] * 3 + [PutStatus.STORED] * 2
+        stats = store.stats()
+        assert stats.blocks == 7
+        assert stats.dedup_puts == 3
+        assert store.tier("host").tier.usage() == 7 * BLOCK
+        assert (await store.lookup(keys_of(bob))).num_blocks == 5
+        # A prefix of Alice's plus an unknown block matches only the known part.
+        probe = keys_of(alice[:4]) + keys_of(chain("nobody", 1))
+        assert (await store.lookup(probe)).num_blocks == 4
+        for key, _, payload in bob:
+            block = await store.get(key)
+            assert block is not None and block.payload == payload and block.tier == "host"
+
+
+async def test_eviction_takes_leaves_only_and_never_leased_blocks(make_store) -> None:
+    async with make_store(host_blocks=4) as store:
+        a = chain("a", 3)  # a0 <- a1 <- a2
+        b = chain("b", 1)
+        await put_all(store, a + b)  # host full: a0 a1 a2 b0
+        # Step 1: lease a2. LRU order is a0 a1 a2 b0; a0 and a1 have children, a2 is leased.
+        lease = store.pin(keys_of(a))
+        assert lease.num_blocks == 3
+        c = chain("c", 1)
+        assert await put_all(store, c) == [PutStatus.STORED]
+        # b0 was the only evictable block: no lower tier, so it is gone.
+        assert (await store.lookup(keys_of(b))).num_blocks == 0
+        assert (await store.lookup(keys_of(a))).num_blocks == 3
+        # Step 2: while everything left is leased or has children, a new put finds no room.
+        lease_c = store.pin(keys_of(c))
+        assert await put_all(store, chain("d", 1)) == [PutStatus.NO_SPACE]
+        assert store.stats().dropped_saves == 1
+        # Step 3: released, the leaf a2 goes before its parents.
+        await store.release(lease.lease_id)
+        await store.release(lease_c.lease_id)
+        assert await put_all(store, chain("e", 1)) == [PutStatus.STORED]
+        assert (await store.lookup(keys_of(a))).num_blocks == 2
+        assert store.stats().tiers[0].evictions == 2
+        with pytest.raises(UnknownLeaseError, match=f"lease {lease.lease_id} is unknown"):
+            await store.release(lease.lease_id)
+
+
+async def test_write_back_copies_down_on_demotion_and_promotes_on_hit(make_store) -> None:
+    async with make_store(host_blocks=4, ssd_policy="write_back") as store:
+        blocks = chain("doc", 4)
+        await put_all(store, blocks)
+        ssd = store.tier("ssd").tier
+        # Step 1: write-back: nothing reaches the SSD while the host has room.
+        assert ssd.usage() == 0
+        # Step 2: a fifth block evicts the LRU leaf (doc3, the chain's tail) down to SSD.
+        extra = chain("extra", 1)
+        await put_all(store, extra)
+        assert list(ssd.keys()) == [blocks[3][0]]
+        assert store.stats().demotions == 1
+        assert (await store.lookup(keys_of(blocks))).tiers == ("host",) * 3 + ("ssd",)
+        # Step 3: reading it back is bit-exact, comes from SSD, and promotes it to host.
+        block = await store.get(blocks[3][0])
+        assert block is not None and block.payload == blocks[3][2] and block.tier == "ssd"
+        assert store.stats().promotions == 1
+        block = await store.get(blocks[3][0])
+        assert block is not None and block.tier == "host"
+        assert store.stats().tiers[0].hits == 1 and store.stats().tiers[1].hits == 1
+
+
+async def test_write_through_writes_every_put_down(make_store) -> None:
+    async with make_store(host_blocks=4, ssd_policy="write_through", ssd_codec=Codec.RAW) as store:
+        blocks = chain("wt", 3)
+        await put_all(store, blocks)
+        ssd = store.tier("ssd").tier
+        assert sorted(ssd.keys()) == sorted(keys_of(blocks))
+        for key, _, payload in blocks:
+            assert (await ssd.get(key)).endswith(payload)  # raw codec: header + payload
+
+
+async def test_selective_write_through_on_the_nth_hit(make_store) -> None:
+    async with make_store(host_blocks=2, ssd_policy="write_through_selective") as store:
+        hot, cold = chain("hot", 1), chain("cold", 1)
+        await put_all(store, hot + cold)
+        ssd = store.tier("ssd").tier
+        # Step 1: one hit is not enough.
+        await store.get(hot[0][0])
+        assert list(ssd.keys()) == []
+        # Step 2: the second hit writes it to SSD.
+        await store.get(hot[0][0])
+        assert list(ssd.keys()) == [hot[0][0]]
+        # Step 3: evicted before reaching two hits, the cold block is dropped, not copied.
+        await store.get(hot[0][0])  # make cold the LRU block
+        await put_all(store, chain("new", 1))
+        assert (await store.lookup(keys_of(cold))).num_blocks == 0
+        assert list(ssd.keys()) == [hot[0][0]]
+
+
+async def test_watermarks_start_high_and_stop_low(make_store) -> None:
+    async with make_store(host_blocks=10, ssd_policy="write_back", high=0.8, low=0.5) as store:
+        host = store.tier("host").tier
+        await put_all(store, chain("w1", 1) + chain("w2", 1) + chain("w3", 1) + chain("w4", 1))
+        await put_all(store, chain("w5", 1) + chain("w6", 1) + chain("w7", 1) + chain("w8", 1))
+        # At 80% nothing moves: the high watermark is not exceeded.
+        assert host.usage() == 8 * BLOCK and store.stats().demotions == 0
+        # The ninth block crosses it: evict down to 50%.
+        await put_all(store, chain("w9", 1))
+        assert host.usage() == 5 * BLOCK
+        assert store.stats().demotions == 4
+        assert len(list(store.tier("ssd").tier.keys())) == 4
+
+
+async def test_restart_rebuilds_from_ssd_and_drops_damaged_files(make_store, tmp_path) -> None:
+    ssd_dir = tmp_path / "blocks"
+    blocks = chain("persist", 6)
+    async with make_store(host_blocks=8, ssd_policy="write_through", ssd_dir=ssd_dir) as store:
+        await put_all(store, blocks)
+        ssd = store.tier("ssd").tier
+        flipped, truncated = ssd.path_of(blocks[2][0]), ssd.path_of(blocks[4][0])
+    # Damage two files while the daemon is down: flip one payload byte, truncate another.
+    data = bytearray(flipped.read_bytes())
+    data[-100] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-10])
+
+    async with make_store(host_blocks=8, ssd_policy="write_through", ssd_dir=ssd_dir) as store:
+        # The truncated file is gone at start; the chain is held up to it.
+        result = await store.lookup(keys_of(blocks))
+        assert result.num_blocks == 4 and result.tiers == ("ssd",) * 4
+        for key, _, payload in blocks[:2]:
+            block = await store.get(key)
+            assert block is not None and block.payload == payload
+        # The flipped byte is caught by the checksum: a miss, the copy deleted, counted.
+        assert await store.get(blocks[2][0]) is None
+        assert store.stats().corrupt_blocks == 1
+        assert not flipped.exists()
+        assert (await store.lookup(keys_of(blocks))).num_blocks == 2
+        assert (await store.get(blocks[3][0])).payload == blocks[3][2]
+
+
+async def test_flush_on_close_keeps_write_back_blocks(make_store, tmp_path) -> None:
+    ssd_dir = tmp_path / "wb"
+    blocks = chain("wb", 3)
+    async with make_store(host_blocks=8, ssd_policy="write_back", ssd_dir=ssd_dir) as store:
+        await put_all(store, blocks)
+        assert store.tier("ssd").tier.usage() == 0
+    async with make_store(host_blocks=8, ssd_policy="write_back", ssd_dir=ssd_dir) as store:
+        assert (await store.lookup(keys_of(blocks))).num_blocks == 3
+        for key, _, payload in blocks:
+            assert (await store.get(key)).payload == payload
+
+
+async def test_delete_hides_at_once_and_frees_after_the_lease(make_store) -> None:
+    async with make_store(host_blocks=8) as store:
+        blocks = chain("del", 3)
+        await put_all(store, blocks)
+        lease = store.pin(keys_of(blocks) + keys_of(chain("missing", 1)))
+        assert lease.num_blocks == 3  # a lease covers the leading held blocks only
+        # Deleting block 1 removes its descendant too; both are leased, so space waits.
+        assert await store.delete(blocks[1][0]) == 2
+        assert (await store.lookup(keys_of(blocks))).num_blocks == 1
+        assert await store.get(blocks[2][0]) is None
+        assert store.tier("host").tier.usage() == 3 * BLOCK
+        await store.release(lease.lease_id)
+        assert store.tier("host").tier.usage() == BLOCK
+        # Putting a deleted key again stores it again.
+        assert await put_all(store, blocks[1:2]) == [PutStatus.STORED]
+
+
+async def test_leases_expire(make_store) -> None:
+    async with make_store(host_blocks=2) as store:
+        blocks = chain("exp", 2)
+        await put_all(store, blocks)
+        lease = store.pin(keys_of(blocks), ttl=1.0)
+        assert store.stats().active_leases == 1
+        await store.maintain(now=lease.expires_at + 0.1)
+        assert store.stats().active_leases == 0
+        assert await put_all(store, chain("after", 1)) == [PutStatus.STORED]
+
+
+async def test_shared_tier_serves_another_node(make_store, redis_url) -> None:
+    blocks = chain("shared", 3)
+    async with make_store(host_blocks=4, redis_url=redis_url) as node_a:
+        await put_all(node_a, blocks)
+        async with make_store(host_blocks=4, redis_url=redis_url) as node_b:
+            # Node B never saw these puts: it finds them live in Redis by key.
+            result = await node_b.lookup(keys_of(blocks))
+            assert result.num_blocks == 3 and result.tiers == ("redis",) * 3
+            block = await node_b.get(blocks[1][0])
+            assert block is not None and block.payload == blocks[1][2] and block.tier == "redis"
+            assert (await node_b.get(blocks[1][0])).tier == "host"  # promoted
+
+
+async def test_redis_down_means_misses_and_back_means_writes(make_store, redis_server) -> None:
+    if redis_server.proc is None:
+        redis_server.start()
+    async with make_store(host_blocks=8, redis_url=redis_server.url) as store:
+        before = chain("before", 2)
+        await put_all(store, before)
+        redis_server.stop()
+        # Redis is gone: puts still land in host, lookups do not raise, health says so.
+        during = chain("during", 2)
+        assert await put_all(store, during) == [PutStatus.STORED] * 2
+        assert (await store.lookup(keys_of(chain("unknown", 2)))).num_blocks == 0
+        assert (await store.get(before[0][0])).payload == before[0][2]
+        assert store.stats().tiers[1].healthy is False
+        redis_server.start()
+        await asyncio.sleep(0.2)
+        after = chain("after", 1)
+        await put_all(store, after)
+        assert await store.tier("redis").tier.contains(after[0][0])
+        assert store.stats().tiers[1].healthy is True
+
+
+async def test_bad_blocks_name_the_problem(make_store) -> None:
+    async with make_store(host_blocks=2) as store:
+        key, parent, payload = chain("bad", 1)[0]
+        with pytest.raises(InvalidBlockError, match="payload is 100 bytes but the layout"):
+            await store.put(key, parent, META, b"x" * 100)
+        with pytest.raises(InvalidBlockError, match="key must be 32 bytes, got 5 bytes"):
+            await store.put(b"short", parent, META, payload)
+        with pytest.raises(InvalidBlockError, match="parent must be 32 bytes, got str"):
+            await store.put(key, "root", META, payload)  # type: ignore[arg-type]
+        bad_meta = BlockMeta(NAMESPACE, 17, LAYOUT)
+        with pytest.raises(InvalidBlockError, match=r"num_tokens must be in 1\.\.16, got 17"):
+            await store.put(key, parent, bad_meta, payload)
+        with pytest.raises(InvalidBlockError, match="key must be 32 bytes"):
+            await store.get(os.urandom(31))
+    with pytest.raises(StoreClosedError):
+        await store.put(key, parent, META, payload)
