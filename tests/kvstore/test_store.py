@@ -318,3 +318,34 @@ async def test_bad_blocks_name_the_problem(make_store) -> None:
             await store.get(os.urandom(31))
     with pytest.raises(StoreClosedError):
         await store.put(key, parent, META, payload)
+
+
+async def test_many_tasks_racing_eviction_never_see_wrong_bytes(make_store) -> None:
+    async with make_store(host_blocks=6, ssd_policy="write_back", ssd_blocks=40) as store:
+        chains = {f"user{i}": chain(f"user{i}", 4) for i in range(12)}
+        wrong: list[str] = []
+
+        async def user(name: str) -> None:
+            blocks = chains[name]
+            for _ in range(3):
+                await put_all(store, blocks)
+                for key, _, payload in blocks:
+                    block = await store.get(key)
+                    if block is not None and block.payload != payload:
+                        wrong.append(name)
+
+        await asyncio.gather(*(user(name) for name in chains))
+        assert wrong == []
+        # The books balance: every tier's usage is exactly what the index says it holds.
+        host, ssd = store.tier("host").tier, store.tier("ssd").tier
+        in_host = [n for n in store.index.nodes() if "host" in n.tiers]
+        in_ssd = [n for n in store.index.nodes() if "ssd" in n.tiers]
+        assert host.usage() == len(in_host) * BLOCK
+        assert sorted(ssd.keys()) == sorted(n.key for n in in_ssd)
+        assert all(n.leases == 0 and n.busy == 0 for n in store.index.nodes())
+        assert host.usage() <= host.capacity() and ssd.usage() <= ssd.capacity()
+        # Everything still indexed reads back bit-exact.
+        payloads = {key: payload for blocks in chains.values() for key, _, payload in blocks}
+        for node in store.index.nodes():
+            block = await store.get(node.key)
+            assert block is not None and block.payload == payloads[node.key]
