@@ -6,7 +6,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 
-.PHONY: install redis-server lint typecheck test serve bench-tiers clean
+.PHONY: install redis-server lint typecheck test serve bench-tiers protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ serve: install
 
 bench-tiers: install redis-server
 	$(PY) benchmarks/tiers.py
+
+protos: install
+	$(PY) protos/generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
