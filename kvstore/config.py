@@ -109,6 +109,36 @@ class EvictionConfig:
     low_watermark: float = 0.85
 
 
+def default_socket() -> str:
+    return "unix:" + str(Path(platformdirs.user_runtime_dir("kvstore")) / "kvstore.sock")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Where the daemon listens and the limits of its requests."""
+
+    # "unix:/path/to.sock" or "host:port" (TCP); several allowed.
+    listen: tuple[str, ...] = field(default_factory=lambda: (default_socket(),))
+    socket_mode: str = "0600"  # unix socket permissions (octal); "0660" to share with a group
+    max_message_bytes: int = size(default=8 * 2**20)
+    chunk_bytes: int = size(default=2**20)  # payload bytes per streamed chunk
+    lease_ttl: float = duration(default=10.0)  # leases and reservations expire after this
+    shutdown_grace: float = duration(default=5.0)
+    tls_cert: str = ""  # PEM files; both set = TLS on TCP listeners
+    tls_key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Bearer tokens. Empty: no authentication (rely on the unix socket's permissions)."""
+
+    # "token:tenant" pairs; a token may only use namespaces registered for its tenant.
+    tokens: tuple[str, ...] = ()
+
+    def tenants_by_token(self) -> dict[str, str]:
+        return dict(entry.split(":", 1) for entry in self.tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """The whole configuration tree."""
@@ -117,6 +147,8 @@ class Config:
     ssd: SsdConfig = field(default_factory=SsdConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -200,6 +232,14 @@ def _parse_str(value: object, key: str) -> str:
     raise ConfigError(f"{key}: expected a string, got {value!r}")
 
 
+def _parse_strings(value: object, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):  # from the environment: comma-separated
+        return tuple(item.strip() for item in value.split(",") if item.strip())
+    if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+
+
 def _convert(spec: dataclasses.Field[object], value: object, key: str) -> object:
     kind = spec.metadata.get("kind")
     if kind == "size":
@@ -210,7 +250,13 @@ def _convert(spec: dataclasses.Field[object], value: object, key: str) -> object
         if not isinstance(value, str | int | float):
             raise ConfigError(f"{key}: expected a duration like '30s', got {value!r}")
         return parse_duration(value, key)
-    parsers = {"bool": _parse_bool, "int": _parse_int, "float": _parse_float, "str": _parse_str}
+    parsers = {
+        "bool": _parse_bool,
+        "int": _parse_int,
+        "float": _parse_float,
+        "str": _parse_str,
+        "tuple[str, ...]": _parse_strings,
+    }
     return parsers[str(spec.type)](value, key)
 
 
@@ -315,6 +361,11 @@ def validate(config: Config) -> None:
             f"eviction watermarks need 0 < low_watermark < high_watermark <= 1, "
             f"got low_watermark={low} high_watermark={high}"
         )
+    _check_server(config.server)
+    for entry in config.auth.tokens:
+        token, _, tenant = entry.partition(":")
+        if not token or not tenant:
+            raise ConfigError(f"auth.tokens entries must look like 'token:tenant', got {entry!r}")
     if config.redis.pool_size < 1:
         raise ConfigError(f"redis.pool_size must be >= 1, got {config.redis.pool_size}")
     _check_tiers(config)
@@ -346,3 +397,29 @@ def _check_tiers(config: Config) -> None:
                 f"({upper.capacity} bytes) while {name}.write_policy is write_through: "
                 f"every block in {upper_name} is also written to {name}"
             )
+
+
+def _check_server(server: ServerConfig) -> None:
+    if not server.listen:
+        raise ConfigError("server.listen needs at least one address ('unix:/path' or 'host:port')")
+    for address in server.listen:
+        if not address.startswith("unix:") and address.rpartition(":")[2].isdigit() is False:
+            raise ConfigError(
+                f"server.listen: expected 'unix:/path/to.sock' or 'host:port', got {address!r}"
+            )
+    if not re.fullmatch(r"0?[0-7]{3}", server.socket_mode):
+        raise ConfigError(
+            f"server.socket_mode must be octal like '0600', got {server.socket_mode!r}"
+        )
+    if server.chunk_bytes <= 0 or server.chunk_bytes > server.max_message_bytes // 2:
+        raise ConfigError(
+            f"server.chunk_bytes must be in 1..max_message_bytes/2 "
+            f"({server.max_message_bytes // 2}), got {server.chunk_bytes}"
+        )
+    if bool(server.tls_cert) != bool(server.tls_key):
+        raise ConfigError(
+            f"server.tls_cert and server.tls_key go together, got tls_cert={server.tls_cert!r} "
+            f"tls_key={server.tls_key!r}"
+        )
+    if server.lease_ttl <= 0:
+        raise ConfigError(f"server.lease_ttl must be positive, got {server.lease_ttl}")

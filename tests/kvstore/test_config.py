@@ -123,3 +123,32 @@ def test_no_tier_enabled_is_an_error() -> None:
     environ = {"KVSTORE_HOST__ENABLED": "false", "KVSTORE_SSD__ENABLED": "0"}
     with pytest.raises(ConfigError, match="at least one tier must be enabled"):
         load_config(environ=environ)
+
+
+def test_server_and_auth_sections(tmp_path: Path) -> None:
+    text = (
+        '[server]\nlisten = ["unix:/tmp/k.sock", "127.0.0.1:7070"]\nsocket_mode = "0660"\n'
+        '[auth]\ntokens = ["s3cret:team-a", "other:team-b"]\n'
+    )
+    config = load_config(write(tmp_path, text), environ={})
+    assert config.server.listen == ("unix:/tmp/k.sock", "127.0.0.1:7070")
+    assert config.auth.tenants_by_token() == {"s3cret": "team-a", "other": "team-b"}
+    config = load_config(environ={"KVSTORE_SERVER__LISTEN": "unix:/a.sock, 0.0.0.0:9000"})
+    assert config.server.listen == ("unix:/a.sock", "0.0.0.0:9000")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[server]\nlisten = ["nowhere"]\n', r"server\.listen: expected .*'nowhere'"),
+        ("[server]\nlisten = []\n", r"server\.listen needs at least one address"),
+        ('[server]\nsocket_mode = "0999"\n', r"server\.socket_mode must be octal.*'0999'"),
+        ('[server]\nchunk_bytes = "8MiB"\n', r"server\.chunk_bytes must be in .*got 8388608"),
+        ('[server]\ntls_cert = "a.pem"\n', r"tls_cert and server\.tls_key go together"),
+        ('[auth]\ntokens = ["no-tenant"]\n', r"auth\.tokens entries .*'no-tenant'"),
+        ("[auth]\ntokens = [1, 2]\n", r"auth\.tokens: expected a list of strings, got \[1, 2\]"),
+    ],
+)
+def test_bad_server_values(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text), environ={})
