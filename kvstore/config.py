@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import os
 import re
+import tempfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -110,7 +111,10 @@ class EvictionConfig:
 
 
 def default_socket() -> str:
-    return "unix:" + str(Path(platformdirs.user_runtime_dir("kvstore")) / "kvstore.sock")
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or str(
+        Path(tempfile.gettempdir()) / f"kvstore-{os.getuid()}"
+    )
+    return "unix:" + str(Path(runtime) / "kvstore" / "kvstore.sock")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,3 +23,23 @@ class UnknownLeaseError(StoreError, KeyError):
 
 class StoreClosedError(StoreError, RuntimeError):
     """The store is not started, or already closed."""
+
+
+class NoArenaError(StoreError, RuntimeError):
+    """A shared-memory operation on a daemon without a host tier."""
+
+
+class InvalidRequestError(StoreError, ValueError):
+    """A request the daemon refuses as malformed: a bad key, count, size or fingerprint."""
+
+
+class UnknownNamespaceError(StoreError, LookupError):
+    """A namespace digest that was never registered with this daemon (since it started)."""
+
+
+class PermissionDeniedError(StoreError, PermissionError):
+    """A caller using a namespace or lease of another tenant, or registering for one."""
+
+
+class UnauthenticatedError(StoreError, PermissionError):
+    """A call without a bearer token, or with one the daemon does not know."""

@@ -115,12 +115,15 @@ class RadixIndex:
             for k in self._children.get(key, ())
         )
 
-    def match(self, keys: Sequence[bytes]) -> list[Node]:
-        """The committed nodes for the longest prefix of ``keys`` that the index holds."""
+    def match(self, keys: Sequence[bytes], namespace: bytes | None = None) -> list[Node]:
+        """The committed nodes for the longest prefix of ``keys`` that the index holds
+        (only blocks of ``namespace`` when given)."""
         matched: list[Node] = []
         for key in keys:
             node = self.committed(key)
             if node is None or not node.tiers:
+                break
+            if namespace is not None and node.meta.namespace != namespace:
                 break
             matched.append(node)
         return matched

@@ -6,12 +6,15 @@ import enum
 from dataclasses import dataclass
 
 from kvstore.index import BlockMeta
+from kvstore.tiers.allocator import Slot
 
 
 class PutStatus(enum.Enum):
     STORED = "stored"
     DEDUP = "dedup"  # the key is already held (or being written): no new space used
     NO_SPACE = "no_space"  # every tier is full of blocks that may not be evicted
+    RESERVED = "reserved"  # shm write: arena space held; write the payload, then commit
+    EXPIRED = "expired"  # commit of a reservation that expired (or never existed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,3 +63,30 @@ class StoreStats:
     dropped_saves: int
     corrupt_blocks: int
     active_leases: int
+    active_reservations: int
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """Leased blocks in the host arena: ``slots[i]`` holds the raw payload of block i."""
+
+    lease: Lease
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """Outcome of a reservation: ``slot`` is set when ``status`` is RESERVED."""
+
+    status: PutStatus
+    slot: Slot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaInfo:
+    """The host arena file that co-located clients map."""
+
+    path: str
+    size: int
+    device: int  # st_dev
+    inode: int  # st_ino

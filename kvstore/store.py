@@ -28,34 +28,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
+from kvstore.arena import ArenaPlane
 from kvstore.config import Config
-from kvstore.errors import InvalidBlockError, StoreClosedError, UnknownLeaseError
+from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
 from kvstore.index import BlockMeta, RadixIndex
+from kvstore.leases import LeaseTable
 from kvstore.policies import EvictionPolicy, eviction_policy, write_policy
-from kvstore.results import Block, Lease, LookupResult, PutStatus, StoreStats, TierStats
+from kvstore.results import (
+    Acquired,
+    ArenaInfo,
+    Block,
+    Lease,
+    LookupResult,
+    PutStatus,
+    Reserved,
+    StoreStats,
+    TierStats,
+)
 from kvstore.tiering import CODECS, Placement, StoreTier
 from kvstore.tiers.base import Buffer
+from kvstore.tiers.host import HostTier
 
-__all__ = ["Block", "BlockStore", "Lease", "LookupResult", "PutStatus", "StoreStats", "StoreTier"]
+__all__ = [
+    "Acquired",
+    "ArenaInfo",
+    "Block",
+    "BlockStore",
+    "Lease",
+    "LookupResult",
+    "PutStatus",
+    "Reserved",
+    "StoreStats",
+    "StoreTier",
+]
 
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
-
-
-@dataclass(slots=True)
-class _LeaseEntry:
-    keys: tuple[bytes, ...]
-    expires_at: float
 
 
 class BlockStore:
@@ -77,19 +93,21 @@ class BlockStore:
         self.index = RadixIndex()
         self.policy = eviction
         self._high, self._low = high_watermark, low_watermark
-        self._lease_ttl = lease_ttl
         self._interval = maintenance_interval
-        self._leases: dict[int, _LeaseEntry] = {}
-        self._lease_ids = itertools.count(1)
         self._counts: Counter[str] = Counter()
         self._placement = Placement(self._tiers, self.index, self.policy, self._counts)
+        self._leases = LeaseTable(self.index, self._placement, lease_ttl)
+        self._arena = (
+            ArenaPlane(self._tiers[0], self.index, self._placement, self._leases, self._counts)
+            if isinstance(self._tiers[0].tier, HostTier)
+            else None
+        )
         self._maintenance: asyncio.Task[None] | None = None
         self._open = False
 
     @classmethod
     def from_config(cls, config: Config) -> BlockStore:
         """Builds the tiers and policies that ``config`` describes (tiers not started)."""
-        from kvstore.tiers.host import HostTier
         from kvstore.tiers.redis import RedisTier
         from kvstore.tiers.ssd import SsdTier
 
@@ -167,15 +185,19 @@ class BlockStore:
 
     # -- lookups and reads ------------------------------------------------------------------
 
-    def lookup_local(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup_local(self, keys: Sequence[bytes], namespace: bytes | None = None) -> LookupResult:
         """Leading blocks of ``keys`` that the local index holds (no I/O)."""
         self._check_open()
-        matched = self.index.match(keys)
+        matched = self.index.match(keys, namespace)
         return LookupResult(len(matched), tuple(self._placement.top_tier(node) for node in matched))
 
-    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Leading blocks of ``keys`` held here or, past the local prefix, in shared tiers."""
-        local = self.lookup_local(keys)
+    async def lookup(self, keys: Sequence[bytes], namespace: bytes | None = None) -> LookupResult:
+        """Leading blocks of ``keys`` held here or, past the local prefix, in shared tiers.
+
+        Shared tiers are asked by key only; :meth:`get` and :meth:`acquire` check the
+        namespace in the stored header before handing bytes out.
+        """
+        local = self.lookup_local(keys, namespace)
         rest = list(keys[local.num_blocks :])
         tiers = list(local.tiers)
         for slot in self._tiers:
@@ -187,16 +209,17 @@ class BlockStore:
             rest = rest[count:]
         return LookupResult(len(tiers), tuple(tiers))
 
-    async def get(self, key: bytes) -> Block | None:
+    async def get(self, key: bytes, namespace: bytes | None = None) -> Block | None:
         """The block under ``key`` (a copy of its raw payload), or ``None`` on a miss.
 
         A hit below the top tier is promoted; lower tiers with a selective write policy
-        receive the block when it reaches their hit threshold.
+        receive the block when it reaches their hit threshold. A block of another
+        ``namespace`` is a miss.
         """
         self._check_open()
         _check_key("key", key)
         self._counts["gets"] += 1
-        node = self.index.committed(key) or await self._placement.discover(key)
+        node = await self._placement.held(key, namespace)
         if node is None:
             self._counts["misses"] += 1
             return None
@@ -257,9 +280,7 @@ class BlockStore:
         node.busy += 1
         try:
             stored = await self._placement.store_in(self._tiers[0], node, payload)
-            for slot in self._tiers[1:]:
-                if slot.write.on_put:
-                    stored = await self._placement.store_in(slot, node, payload) or stored
+            stored = await self._placement.write_through(node, payload) or stored
         finally:
             node.busy -= 1
         if not stored:
@@ -271,13 +292,17 @@ class BlockStore:
         await self.relieve_pressure()
         return PutStatus.STORED
 
-    async def delete(self, key: bytes) -> int:
+    async def delete(self, key: bytes, namespace: bytes | None = None) -> int:
         """Deletes a block and its descendants (unreachable without it); returns how many.
 
-        Blocks under a lease are hidden at once and freed when the lease ends.
+        Blocks under a lease are hidden at once and freed when the lease ends. A block of
+        another ``namespace`` is left alone (0).
         """
         self._check_open()
         _check_key("key", key)
+        root = self.index.get(key)
+        if root is None or (namespace is not None and root.meta.namespace != namespace):
+            return 0
         nodes = self.index.subtree(key)
         for node in nodes:
             node.doomed = True
@@ -307,17 +332,13 @@ class BlockStore:
 
     # -- leases -----------------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[bytes], ttl: float | None = None) -> Lease:
+    def pin(
+        self, keys: Sequence[bytes], ttl: float | None = None, namespace: bytes | None = None
+    ) -> Lease:
         """Leases the leading held blocks of ``keys``: they are not evicted or freed until
         :meth:`release` or the lease expires (``ttl`` seconds, default the store's)."""
         self._check_open()
-        matched = self.index.match(keys)
-        for node in matched:
-            node.leases += 1
-        expires_at = time.monotonic() + (self._lease_ttl if ttl is None else ttl)
-        lease_id = next(self._lease_ids)
-        self._leases[lease_id] = _LeaseEntry(tuple(n.key for n in matched), expires_at)
-        return Lease(lease_id, len(matched), expires_at)
+        return self._leases.grant(self.index.match(keys, namespace), ttl)
 
     async def release(self, lease_id: int) -> None:
         """Ends a lease.
@@ -325,24 +346,69 @@ class BlockStore:
         Raises:
             UnknownLeaseError: the lease was never issued, or already ended.
         """
-        entry = self._leases.pop(lease_id, None)
-        if entry is None:
-            raise UnknownLeaseError(f"lease {lease_id} is unknown, released or expired")
-        for key in entry.keys:
-            node = self.index.get(key)
-            if node is not None:
-                node.leases -= 1
-                await self._placement.settle(node)
+        await self._leases.release(lease_id)
+
+    # -- shared-memory data plane (see kvstore.arena) ---------------------------------------
+
+    def arena(self) -> ArenaInfo | None:
+        """The host arena file co-located clients map, or ``None`` without a host tier."""
+        return None if self._arena is None else self._arena.info()
+
+    async def acquire(
+        self, keys: Sequence[bytes], namespace: bytes | None = None, ttl: float | None = None
+    ) -> Acquired:
+        """Promotes the leading held blocks of ``keys`` into the arena and leases them.
+
+        Raises:
+            NoArenaError: the store has no host tier.
+        """
+        self._check_open()
+        return await self._require_arena().acquire(keys, namespace, ttl)
+
+    async def reserve(
+        self, key: bytes, parent: bytes, meta: BlockMeta, ttl: float | None = None
+    ) -> Reserved:
+        """Holds arena space for a block (RESERVED + slot), or DEDUP / NO_SPACE.
+
+        Raises:
+            InvalidBlockError: malformed key, parent or meta.
+            NoArenaError: the store has no host tier.
+        """
+        self._check_open()
+        _check_meta(key, parent, meta)
+        return await self._require_arena().reserve(key, parent, meta, ttl)
+
+    async def commit(self, key: bytes) -> PutStatus:
+        """Makes a reserved block visible: STORED, or EXPIRED without a live reservation."""
+        self._check_open()
+        status = await self._require_arena().commit(key)
+        if status is PutStatus.STORED:
+            await self.relieve_pressure()
+        return status
+
+    async def abort(self, key: bytes) -> bool:
+        """Frees a reservation; False when there is none."""
+        self._check_open()
+        return await self._require_arena().abort(key)
+
+    async def prefetch(self, keys: Sequence[bytes], namespace: bytes | None = None) -> int:
+        """Moves the leading held blocks of ``keys`` up into the arena; returns how many."""
+        self._check_open()
+        return await self._require_arena().prefetch(keys, namespace)
+
+    def _require_arena(self) -> ArenaPlane:
+        if self._arena is None:
+            raise NoArenaError("the shared-memory data plane needs the host tier (host.enabled)")
+        return self._arena
 
     # -- maintenance ------------------------------------------------------------------------
 
     async def maintain(self, now: float | None = None) -> None:
         """Expires leases, applies tier TTLs and watermarks. Runs every second by itself."""
         now = time.monotonic() if now is None else now
-        for lease_id, entry in list(self._leases.items()):
-            if entry.expires_at <= now:
-                log.info("lease %d expired with %d blocks", lease_id, len(entry.keys))
-                await self.release(lease_id)
+        await self._leases.expire(now)
+        if self._arena is not None:
+            await self._arena.expire(now)
         for slot in self._tiers:
             if slot.ttl > 0:
                 await self._placement.expire(slot, now - slot.ttl)
@@ -385,6 +451,7 @@ class BlockStore:
             dropped_saves=c["dropped_saves"],
             corrupt_blocks=c["corrupt_blocks"],
             active_leases=len(self._leases),
+            active_reservations=0 if self._arena is None else len(self._arena),
         )
 
     async def _maintain_forever(self) -> None:
@@ -407,6 +474,16 @@ def _check_key(name: str, value: object) -> None:
 
 
 def _check_block(key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer) -> None:
+    _check_meta(key, parent, meta)
+    size = memoryview(payload).nbytes
+    if size != meta.layout.payload_bytes:
+        raise InvalidBlockError(
+            f"payload is {size} bytes but the layout {meta.layout} needs "
+            f"{meta.layout.payload_bytes} bytes"
+        )
+
+
+def _check_meta(key: bytes, parent: bytes, meta: BlockMeta) -> None:
     _check_key("key", key)
     _check_key("parent", parent)
     if len(meta.namespace) != KEY_BYTES:
@@ -414,10 +491,4 @@ def _check_block(key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer) ->
     if not 0 < meta.num_tokens <= meta.layout.block_tokens:
         raise InvalidBlockError(
             f"num_tokens must be in 1..{meta.layout.block_tokens}, got {meta.num_tokens}"
-        )
-    size = memoryview(payload).nbytes
-    if size != meta.layout.payload_bytes:
-        raise InvalidBlockError(
-            f"payload is {size} bytes but the layout {meta.layout} needs "
-            f"{meta.layout.payload_bytes} bytes"
         )

@@ -193,6 +193,22 @@ class Placement:
                 finally:
                     node.busy -= 1
 
+    async def held(self, key: bytes, namespace: bytes | None) -> Node | None:
+        """The committed block under ``key`` (of ``namespace`` when given), found locally or
+        in a shared tier; ``None`` on a miss."""
+        node = self.index.committed(key) or await self.discover(key)
+        if node is None or (namespace is not None and node.meta.namespace != namespace):
+            return None
+        return node
+
+    async def write_through(self, node: Node, payload: Buffer) -> bool:
+        """Copies a new block into every lower tier whose policy writes at put time."""
+        stored = False
+        for slot in self.tiers[1:]:
+            if slot.write.on_put:
+                stored = await self.store_in(slot, node, payload) or stored
+        return stored
+
     async def discover(self, key: bytes) -> Node | None:
         """Adopts a block that another node wrote to a shared tier into the local index."""
         for slot in self.tiers:
