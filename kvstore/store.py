@@ -139,6 +139,7 @@ class BlockStore:
             eviction=eviction_policy(config.eviction.policy),
             high_watermark=config.eviction.high_watermark,
             low_watermark=config.eviction.low_watermark,
+            lease_ttl=config.server.lease_ttl,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""The ``kvstore`` command: run the daemon, or ask a running one for its statistics.
+
+- ``kvstore serve [--config FILE] [--listen ADDR]... [--log-level LEVEL]`` runs the daemon
+  on uvloop until SIGTERM or SIGINT. Without a config file the embedded defaults apply, with
+  the host tier sized to the machine (:func:`kvstore.defaults.auto_host_capacity`) unless
+  ``KVSTORE_HOST__CAPACITY`` names a size.
+- ``kvstore stats [--address ADDR | --config FILE] [--token T] [--json]`` prints tier
+  usage, hit rates and leases in flight (``--token`` defaults to ``$KVSTORE_TOKEN``).
+
+This is the entry point: the only place that installs uvloop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from kvstore.config import Config, ConfigError, load_config
+from kvstore.protos.kvstore.v1 import kvstore_pb2
+
+__all__ = ["format_stats", "main"]
+
+log = logging.getLogger("kvstore")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``kvstore`` command; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except ConfigError as error:
+        print(f"kvstore: {error}", file=sys.stderr)
+        return 2
+    return status
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache daemon.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", metavar="FILE", help="TOML file (default: embedded defaults)")
+    serve.add_argument(
+        "--listen",
+        action="append",
+        metavar="ADDR",
+        help="'unix:/path' or 'host:port'; repeat for several (replaces server.listen)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    serve.set_defaults(run=_serve)
+    stats = commands.add_parser("stats", help="print a running daemon's statistics")
+    stats.add_argument("--address", help="default: the first server.listen address")
+    stats.add_argument("--config", metavar="FILE", help="where to find server.listen")
+    stats.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"), help="bearer token")
+    stats.add_argument("--json", action="store_true", help="print the StatsResponse as JSON")
+    stats.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    stats.set_defaults(run=_stats)
+    return parser
+
+
+def serve_config(path: str | None, listen: Sequence[str] | None) -> Config:
+    """The daemon's configuration: file (or defaults), environment, then ``--listen``.
+
+    Raises:
+        ConfigError: an invalid value anywhere.
+    """
+    overrides = {"server": {"listen": list(listen)}} if listen else {}
+    config = load_config(path, overrides=overrides)
+    if path is None and config.host.enabled and "KVSTORE_HOST__CAPACITY" not in os.environ:
+        from kvstore.defaults import auto_host_capacity
+
+        try:
+            capacity = auto_host_capacity(config.host.directory)
+        except OSError as error:  # the host tier reports the missing directory at start
+            log.warning("cannot size the host tier from %s: %s", config.host.directory, error)
+        else:
+            host = dataclasses.replace(config.host, capacity=capacity)
+            config = dataclasses.replace(config, host=host)
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from kvstore.server import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = serve_config(args.config, args.listen)
+    log.info("host tier %d bytes in %s", config.host.capacity, config.host.directory)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(serve(config))
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+
+    address = args.address or load_config(args.config).server.listen[0]
+    metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
+    with grpc.insecure_channel(address) as channel:
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            response = stub.Stats(
+                kvstore_pb2.StatsRequest(), metadata=metadata, timeout=args.timeout
+            )
+        except grpc.RpcError as error:
+            print(
+                f"kvstore stats: {address}: {error.code().name}: {error.details()}", file=sys.stderr
+            )
+            return 1
+    if args.json:
+        print(json_format.MessageToJson(response, preserving_proto_field_name=True))
+    else:
+        print(format_stats(response))
+    return 0
+
+
+def format_stats(stats: kvstore_pb2.StatsResponse) -> str:
+    """A ``StatsResponse`` as a short human-readable report."""
+    lines = [f"{'tier':<8}{'usage':>24}{'blocks':>10}{'hits':>10}{'evictions':>11}  health"]
+    for tier in stats.tiers:
+        share = tier.usage_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
+        usage = f"{_size(tier.usage_bytes)} / {_size(tier.capacity_bytes)} {share:4.0%}"
+        health = "ok" if tier.healthy else "DOWN"
+        lines.append(
+            f"{tier.name:<8}{usage:>24}{tier.blocks:>10}{tier.hits:>10}{tier.evictions:>11}"
+            f"  {health}"
+        )
+    lines += [
+        f"blocks {stats.blocks}; puts {stats.puts} (+{stats.dedup_puts} dedup), "
+        f"dropped saves {stats.dropped_saves}, corrupt {stats.corrupt_blocks}",
+        f"gets {stats.gets}, hit rate {_rate(stats.gets - stats.misses, stats.gets)}; "
+        f"lookups {stats.lookups}, {stats.lookup_hit_blocks} blocks found",
+        f"promotions {stats.promotions}, demotions {stats.demotions}",
+        f"in flight: {stats.active_leases} leases, {stats.active_reservations} reservations",
+    ]
+    return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _rate(hits: int, total: int) -> str:
+    return f"{hits / total:.1%}" if total else "n/a"

@@ -1,0 +1,51 @@
+"""Defaults that depend on the machine: the host tier's size when no config file names one.
+
+``auto_host_capacity(directory)`` = min(25% of ``MemAvailable``, half the free space of the
+arena's directory, 8 GiB), rounded down to 64 MiB (and at least 64 MiB). A daemon started
+without a config file then fits the machine it lands on instead of asking for a fixed 4 GiB
+of ``/dev/shm`` that a laptop or a container may not have.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Final
+
+GRANULE: Final = 64 * 2**20
+CAP: Final = 8 * 2**30
+MEMORY_SHARE: Final = 0.25
+DISK_SHARE: Final = 0.5
+
+
+def host_capacity(mem_available: int | None, free_bytes: int) -> int:
+    """The host tier size for a machine with these free resources (see the module doc).
+
+    Args:
+        mem_available: ``MemAvailable`` in bytes, or None when unknown (not Linux).
+        free_bytes: Free bytes in the arena's directory (its filesystem).
+    """
+    limits = [CAP, int(free_bytes * DISK_SHARE)]
+    if mem_available is not None:
+        limits.append(int(mem_available * MEMORY_SHARE))
+    return max(GRANULE, min(limits) // GRANULE * GRANULE)
+
+
+def mem_available(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None when it cannot be read."""
+    try:
+        text = Path(meminfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name == "MemAvailable":
+            number, _, unit = rest.strip().partition(" ")
+            return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
+    return None
+
+
+def auto_host_capacity(directory: str | Path) -> int:
+    """The host tier size for this machine, its arena living in ``directory``."""
+    stats = os.statvfs(directory)
+    return host_capacity(mem_available(), stats.f_bavail * stats.f_frsize)

@@ -1,0 +1,260 @@
+"""The gRPC daemon: a thin servicer over :class:`~kvstore.service.KVStoreService`.
+
+- ``KVStoreServicer`` (:mod:`kvstore.servicer`) turns protos into plain values and back;
+  ``STATUS_CODES`` there is the one table from the :mod:`kvstore.errors` tree to gRPC status
+  codes (an error outside it is a bug: gRPC logs it and the client sees UNKNOWN).
+- ``AuthInterceptor`` checks ``authorization: Bearer <token>`` on every call when
+  ``auth.tokens`` is set (the health service stays open to probes).
+- ``create_server(config, store)`` binds every listen address (unix sockets get
+  ``server.socket_mode``; TCP port 0 gets a free port, reported in ``addresses``; TLS on TCP
+  when ``tls_cert``/``tls_key`` are set), starts serving and marks health SERVING.
+- ``serve(config)`` runs the daemon until SIGTERM or SIGINT: start the store and server; on a
+  signal stop accepting, let calls in flight finish within ``shutdown_grace``, cancel
+  prefetches, close the store (write-back blocks are flushed to SSD), remove the sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hmac
+import logging
+import os
+import signal
+import socket
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.config import AuthConfig, Config, ServerConfig
+from kvstore.errors import StoreError, UnauthenticatedError
+from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.service import KVStoreService
+from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, status_of
+from kvstore.store import BlockStore
+
+__all__ = ["STATUS_CODES", "Authenticator", "RunningServer", "create_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvstore.v1.KVStore"
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class Authenticator:
+    """Maps the bearer token of a call to its tenant (``None``: authentication is off)."""
+
+    def __init__(self, config: AuthConfig) -> None:
+        self._tenants = [
+            (token.encode(), tenant) for token, tenant in config.tenants_by_token().items()
+        ]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tenants)
+
+    def tenant_of(self, metadata: Metadata) -> str | None:
+        """The tenant of the call's token; ``None`` when no tokens are configured.
+
+        Raises:
+            UnauthenticatedError: the token is missing, malformed or unknown.
+        """
+        if not self._tenants:
+            return None
+        values = [value for key, value in metadata or () if key == "authorization"]
+        if not values:
+            raise UnauthenticatedError("missing 'authorization: Bearer <token>' metadata")
+        scheme, _, token = str(values[0]).partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise UnauthenticatedError("authorization metadata must be 'Bearer <token>'")
+        offered, found = token.strip().encode(), None
+        for known, tenant in self._tenants:  # compare every token: no timing hint
+            if hmac.compare_digest(known, offered):
+                found = tenant
+        if found is None:
+            raise UnauthenticatedError("unknown bearer token")
+        return found
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Rejects calls without a known bearer token before they reach the servicer."""
+
+    def __init__(self, authenticator: Authenticator) -> None:
+        self._auth = authenticator
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not self._auth.enabled or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        try:
+            self._auth.tenant_of(details.invocation_metadata)
+        except UnauthenticatedError as error:
+            return _refusal(handler, error)
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, error: StoreError) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that fails the call with ``error``."""
+
+    async def refuse(_request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(status_of(error), str(error))
+
+    kinds = [
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    ]
+    build = next(make for behaviour, make in kinds if behaviour is not None)
+    return build(
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+@dataclass(slots=True)
+class RunningServer:
+    """A started server; ``stop()`` ends it (the store stays open: its owner closes it)."""
+
+    server: grpc.aio.Server
+    service: KVStoreService
+    health: health.aio.HealthServicer
+    addresses: tuple[str, ...]  # as bound: "unix:/path", "127.0.0.1:41234" (port 0 resolved)
+    socket_paths: tuple[Path, ...]
+    grace: float
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Marks health NOT_SERVING, stops accepting, lets calls in flight finish within
+        ``grace`` seconds (default ``server.shutdown_grace``), cancels prefetches and removes
+        the unix sockets."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace if grace is None else grace)
+        await self.service.aclose()
+        for path in self.socket_paths:
+            path.unlink(missing_ok=True)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def create_server(config: Config, store: BlockStore) -> RunningServer:
+    """Builds, binds and starts the daemon's gRPC server over a started ``store``.
+
+    Raises:
+        OSError: a unix socket path is in use by a live daemon, or is not a socket.
+        RuntimeError: gRPC could not bind an address.
+    """
+    limits = config.server.max_message_bytes
+    options = [
+        ("grpc.max_receive_message_length", limits),
+        ("grpc.max_send_message_length", limits),
+    ]
+    authenticator = Authenticator(config.auth)
+    server = grpc.aio.server(interceptors=[AuthInterceptor(authenticator)], options=options)
+    service = KVStoreService(store, config)
+    servicer = KVStoreServicer(service, authenticator.tenant_of, config.server.chunk_bytes)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    addresses, paths = _bind_all(server, config.server)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("kvstore listening on %s", ", ".join(addresses))
+    return RunningServer(
+        server, service, health_servicer, addresses, paths, config.server.shutdown_grace
+    )
+
+
+def _bind_all(
+    server: grpc.aio.Server, config: ServerConfig
+) -> tuple[tuple[str, ...], tuple[Path, ...]]:
+    # Sockets are bound here but listen only at start(): chmod now leaves no window.
+    credentials = _tls_credentials(config)
+    addresses: list[str] = []
+    paths: list[Path] = []
+    for address in config.listen:
+        if address.startswith("unix:"):
+            path = _unix_path(address)
+            _prepare_socket_path(path)
+            server.add_insecure_port(f"unix:{path}")
+            os.chmod(path, int(config.socket_mode, 8))
+            addresses.append(f"unix:{path}")
+            paths.append(path)
+        else:
+            host = address.rpartition(":")[0]
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
+            addresses.append(f"{host}:{port}")
+    return tuple(addresses), tuple(paths)
+
+
+def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def _unix_path(address: str) -> Path:
+    rest = address.removeprefix("unix:")
+    return Path(rest.removeprefix("//") if rest.startswith("///") else rest).expanduser()
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Creates the socket's directory; refuses a path held by a live daemon or a non-socket."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a unix socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)  # stale: left behind by a daemon that died
+            return
+    raise OSError(errno.EADDRINUSE, f"another daemon is listening on {path}")
+
+
+async def serve(config: Config) -> None:
+    """Runs the daemon until SIGTERM or SIGINT, then shuts it down gracefully."""
+    store = BlockStore.from_config(config)
+    await store.start()
+    try:
+        running = await create_server(config, store)
+        try:
+            await _until_signalled((signal.SIGTERM, signal.SIGINT))
+            log.info("shutting down (grace %.1fs)", config.server.shutdown_grace)
+        finally:
+            await running.stop()
+    finally:
+        await store.aclose(flush=True)
+    log.info("kvstore stopped")
+
+
+async def _until_signalled(signals: Sequence[signal.Signals]) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for signum in signals:
+            with contextlib.suppress(ValueError, RuntimeError):
+                loop.remove_signal_handler(signum)

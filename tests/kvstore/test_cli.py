@@ -1,0 +1,182 @@
+"""The ``kvstore`` command: machine-sized defaults, the stats report, and a real daemon process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvstore.blocks import ROOT_KEY
+from kvstore.cli import format_stats, main, serve_config
+from kvstore.client.keys import block_keys
+from kvstore.config import Config, HostConfig, SsdConfig
+from kvstore.defaults import GRANULE, auto_host_capacity, host_capacity, mem_available
+from kvstore.namespace import ModelFingerprint, Namespace
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.store import BlockStore
+
+GiB, MiB = 2**30, 2**20
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVSTORE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("mem", "free", "expected"),
+    [
+        (64 * GiB, 100 * GiB, 8 * GiB),  # the cap
+        (8 * GiB, 100 * GiB, 2 * GiB),  # a quarter of the available memory
+        (8 * GiB, 1 * GiB, 512 * MiB),  # half the free space of /dev/shm
+        (1000 * MiB, 100 * GiB, 192 * MiB),  # 250 MiB rounded down to 64 MiB
+        (100 * MiB, 100 * GiB, 64 * MiB),  # never below one granule
+        (None, 3 * GiB, 1536 * MiB),  # memory unknown: the disk decides
+    ],
+)
+def test_host_capacity(mem: int | None, free: int, expected: int) -> None:
+    assert host_capacity(mem, free) == expected
+
+
+def test_mem_available_reads_proc_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  16000000 kB\nMemAvailable:   8000000 kB\n")
+    assert mem_available(meminfo) == 8_000_000 * 1024
+    assert mem_available(tmp_path / "missing") is None
+    capacity = auto_host_capacity(tmp_path)
+    assert capacity % GRANULE == 0 and GRANULE <= capacity <= 8 * GiB
+
+
+def test_serve_config_sizes_the_host_tier_only_without_a_file(
+    tmp_path: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTORE_HOST__DIRECTORY", str(tmp_path))
+    config = serve_config(None, ["unix:/tmp/a.sock", "127.0.0.1:0"])
+    assert config.server.listen == ("unix:/tmp/a.sock", "127.0.0.1:0")
+    assert config.host.capacity == auto_host_capacity(tmp_path)
+    monkeypatch.setenv("KVSTORE_HOST__CAPACITY", "128MiB")
+    assert serve_config(None, None).host.capacity == 128 * MiB
+    monkeypatch.delenv("KVSTORE_HOST__CAPACITY")
+    file = tmp_path / "kvstore.toml"
+    file.write_text('[host]\ndirectory = "/dev/shm"\n')
+    assert serve_config(str(file), None).host.capacity == HostConfig().capacity
+
+
+def test_a_bad_config_exits_2_naming_the_key(
+    tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text("[server]\nlisten = ['nowhere']\n")
+    assert main(["serve", "--config", str(file)]) == 2
+    assert "server.listen" in capsys.readouterr().err
+
+
+def test_format_stats() -> None:
+    stats = pb.StatsResponse(
+        tiers=[
+            pb.TierStats(name="host", usage_bytes=3 * MiB, capacity_bytes=4 * MiB, blocks=10,
+                         hits=7, healthy=True),
+            pb.TierStats(name="redis", capacity_bytes=GiB, healthy=False),
+        ],
+        gets=8, misses=2, active_leases=3, active_reservations=1, lookups=4,
+    )  # fmt: skip
+    report = format_stats(stats)
+    assert "3.0 MiB / 4.0 MiB  75%" in report
+    assert "DOWN" in report.splitlines()[2]
+    assert "hit rate 75.0%" in report
+    assert "3 leases, 1 reservations" in report
+
+
+# -- a real daemon process ------------------------------------------------------------------
+
+MODEL = ModelFingerprint("cli-model", num_layers=2, num_kv_heads=2, head_dim=64,
+                         dtype="float16", block_tokens=16)  # fmt: skip
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kv-") as name:  # short: socket paths are limited
+        yield Path(name)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_serve_stats_and_sigterm(tmp_path: Path, sock_dir: Path) -> None:
+    sock = sock_dir / "kvstore.sock"
+    config = tmp_path / "kvstore.toml"
+    config.write_text(
+        f'[host]\ncapacity = "4MiB"\ndirectory = "{tmp_path}"\n'
+        f'[ssd]\ndirectory = "{tmp_path / "ssd"}"\ncapacity = "64MiB"\nfsync = false\n'
+        f'[server]\nlisten = ["unix:{sock}"]\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        address = f"unix:{sock}"
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            request = pb.RegisterNamespaceRequest(
+                model=pb.ModelFingerprint(
+                    model_name="cli-model",
+                    layout=pb.Layout(num_layers=2, num_kv_heads=2, block_tokens=16, head_dim=64,
+                                     dtype="float16"),
+                    rope_theta=10000.0,
+                )
+            )  # fmt: skip
+            ns = stub.RegisterNamespace(request).namespace
+            (key,) = block_keys(list(range(16)), Namespace(MODEL, ""))
+            payload = os.urandom(MODEL.layout().payload_bytes)
+            spec = pb.BlockSpec(key=key, parent=ROOT_KEY, num_tokens=16)
+            reply = stub.Put(iter([pb.PutChunk(namespace=ns, block=spec, data=payload)]))
+            assert list(reply.statuses) == [pb.STORED]
+        report = run_cli("stats", "--address", address)
+        assert report.returncode == 0, report.stderr
+        assert report.stdout.startswith("tier") and "host" in report.stdout
+        as_json = json.loads(run_cli("stats", "--address", address, "--json").stdout)
+        assert as_json["puts"] == "1" and as_json["tiers"][0]["name"] == "host"
+        daemon.send_signal(signal.SIGTERM)
+        output, _ = daemon.communicate(timeout=60)
+        assert daemon.returncode == 0, output
+        assert "flushed 1 blocks" in output
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    assert not sock.exists()
+    refused = run_cli("stats", "--address", f"unix:{sock}", "--timeout", "1")
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+    # The write-back block was flushed to SSD on the way out.
+    ssd_config = Config(
+        host=HostConfig(capacity=4 * MiB, directory=str(tmp_path)),
+        ssd=SsdConfig(directory=str(tmp_path / "ssd"), capacity=64 * MiB, fsync=False),
+    )
+
+    async def reopen() -> bytes | None:
+        async with BlockStore.from_config(ssd_config) as store:
+            block = await store.get(key, namespace=ns)
+            return None if block is None else block.payload
+
+    assert asyncio.run(reopen()) == payload

@@ -1,0 +1,464 @@
+"""The daemon over real sockets: the generated stub against ``create_server`` (unix and TCP)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import mmap
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.blocks import ROOT_KEY
+from kvstore.client.keys import block_keys
+from kvstore.config import AuthConfig, Config, HostConfig, ServerConfig, SsdConfig
+from kvstore.namespace import ModelFingerprint, Namespace
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.server import RunningServer, create_server
+from kvstore.store import BlockStore
+
+MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
+                         dtype="float16", block_tokens=16)  # fmt: skip
+BLOCK = MODEL.layout().payload_bytes  # 16 KiB
+CHUNK = 4096  # 4 chunks per block on the streamed data plane
+MAX_MESSAGE = 64 * 1024
+MODEL_PB = pb.ModelFingerprint(
+    model_name="test-model",
+    layout=pb.Layout(num_layers=2, num_kv_heads=2, block_tokens=16, head_dim=64, dtype="float16"),
+    rope_theta=10000.0,
+)
+Block = tuple[pb.BlockSpec, bytes]
+
+
+@pytest.fixture
+def short_dir(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, or a shorter temp dir when a socket path there would pass the 107-byte limit."""
+    if len(str(tmp_path / "kvstore.sock")) < 100:
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(prefix="kv-") as name:
+        yield Path(name)
+
+
+def make_config(
+    tmp_path: Path, sock_dir: Path, *, tokens: tuple[str, ...] = (), mode: str = "0600"
+) -> Config:
+    return Config(
+        host=HostConfig(capacity=4 << 20, directory=str(tmp_path)),
+        ssd=SsdConfig(directory=str(tmp_path / "ssd"), capacity=64 << 20, fsync=False),
+        server=ServerConfig(
+            listen=(f"unix:{sock_dir}/run/kvstore.sock", "127.0.0.1:0"),
+            socket_mode=mode,
+            max_message_bytes=MAX_MESSAGE,
+            chunk_bytes=CHUNK,
+            lease_ttl=5.0,
+            shutdown_grace=1.0,
+        ),
+        auth=AuthConfig(tokens=tokens),
+    )
+
+
+@dataclass
+class Daemon:
+    store: BlockStore
+    running: RunningServer
+    channels: list[grpc.aio.Channel]
+
+    def stub(self, address: str) -> kvstore_pb2_grpc.KVStoreStub:
+        channel = grpc.aio.insecure_channel(address)
+        self.channels.append(channel)
+        return kvstore_pb2_grpc.KVStoreStub(channel)
+
+
+@asynccontextmanager
+async def daemon(config: Config) -> AsyncIterator[Daemon]:
+    store = BlockStore.from_config(config)
+    await store.start()
+    running = await create_server(config, store)
+    started = Daemon(store, running, [])
+    try:
+        yield started
+    finally:
+        for channel in started.channels:
+            await channel.close()
+        await running.stop()
+        await store.aclose()
+
+
+@pytest.fixture
+async def kv(tmp_path: Path, short_dir: Path) -> AsyncIterator[Daemon]:
+    async with daemon(make_config(tmp_path, short_dir)) as started:
+        yield started
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def address(request: pytest.FixtureRequest, kv: Daemon) -> str:
+    unix, tcp = kv.running.addresses
+    return unix if request.param == "unix" else tcp
+
+
+def blocks_of(tenant: str, num_blocks: int, salt: int = 0) -> list[Block]:
+    tokens = [salt * 1_000_000 + i for i in range(num_blocks * 16)]
+    keys = block_keys(tokens, Namespace(MODEL, tenant))
+    parents = [ROOT_KEY, *keys[:-1]]
+    return [
+        (pb.BlockSpec(key=key, parent=parent, num_tokens=16), os.urandom(BLOCK))
+        for key, parent in zip(keys, parents, strict=True)
+    ]
+
+
+def keys(blocks: list[Block]) -> list[bytes]:
+    return [spec.key for spec, _ in blocks]
+
+
+def put_chunks(ns: bytes, blocks: list[Block]) -> Iterator[pb.PutChunk]:
+    first = True
+    for spec, payload in blocks:
+        for start in range(0, len(payload), CHUNK):
+            yield pb.PutChunk(
+                namespace=ns if first else b"",
+                block=spec if start == 0 else None,
+                data=payload[start : start + CHUNK],
+            )
+            first = False
+
+
+async def register(stub: kvstore_pb2_grpc.KVStoreStub, tenant: str = "", **kw: object) -> bytes:
+    request = pb.RegisterNamespaceRequest(model=MODEL_PB, tenant=tenant)
+    response = await stub.RegisterNamespace(request, **kw)
+    return bytes(response.namespace)
+
+
+async def get_payloads(stub: kvstore_pb2_grpc.KVStoreStub, ns: bytes, ks: list[bytes]) -> dict:
+    payloads: dict[int, bytearray] = {}
+    tiers = {}
+    async for chunk in stub.Get(pb.GetRequest(namespace=ns, keys=ks)):
+        if chunk.index not in payloads:
+            payloads[chunk.index], tiers[chunk.index] = bytearray(), chunk.tier
+        payloads[chunk.index] += chunk.data
+        assert chunk.last == (len(payloads[chunk.index]) == BLOCK)
+    return {i: (bytes(data), tiers[i]) for i, data in payloads.items()}
+
+
+@contextmanager
+def map_arena(path: str, size: int) -> Iterator[mmap.mmap]:
+    """The daemon's arena, mapped shared as a co-located client maps it."""
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), size) as arena:
+        yield arena
+
+
+def socket_mode(path: Path) -> int | None:
+    """The permission bits of a unix socket file; None when there is no socket there."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    return stat.S_IMODE(mode) if stat.S_ISSOCK(mode) else None
+
+
+async def rpc_error(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call  # type: ignore[misc]
+    return caught.value
+
+
+# -- round trips ----------------------------------------------------------------------------
+
+
+async def test_handshake_and_health(kv: Daemon, address: str) -> None:
+    stub = kv.stub(address)
+    info = await stub.Handshake(pb.HandshakeRequest())
+    arena = os.stat(info.arena_path)
+    assert (info.arena_device, info.arena_inode) == (arena.st_dev, arena.st_ino)
+    assert info.arena_bytes == 4 << 20 == arena.st_size
+    assert (info.max_message_bytes, info.chunk_bytes, info.lease_seconds) == (MAX_MESSAGE, CHUNK, 5)
+    health = health_pb2_grpc.HealthStub(kv.channels[-1])
+    for service in ("", "kvstore.v1.KVStore"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_streamed_put_and_get_are_bit_exact(kv: Daemon, address: str) -> None:
+    stub = kv.stub(address)
+    ns = await register(stub, "alice")
+    assert ns == Namespace(MODEL, "alice").digest()
+    blocks = blocks_of("alice", 3)
+    reply = await stub.Put(put_chunks(ns, blocks))
+    assert list(reply.statuses) == [pb.STORED] * 3
+    reply = await stub.Put(put_chunks(ns, blocks[:1]))
+    assert list(reply.statuses) == [pb.DEDUP]
+    found = await stub.Lookup(pb.LookupRequest(namespace=ns, keys=[*keys(blocks), b"\0" * 32]))
+    assert (found.num_blocks, list(found.tiers)) == (3, ["host"] * 3)
+    got = await get_payloads(stub, ns, [*keys(blocks[:2]), b"\1" * 32, blocks[2][0].key])
+    assert got == {0: (blocks[0][1], "host"), 1: (blocks[1][1], "host")}  # stops at a miss
+
+
+async def test_shared_memory_write_and_read(kv: Daemon, address: str) -> None:
+    stub = kv.stub(address)
+    ns = await register(stub)
+    blocks = blocks_of("", 2)
+    info = await stub.Handshake(pb.HandshakeRequest())
+    with map_arena(info.arena_path, info.arena_bytes) as arena:
+        # Reserve -> write into the slots -> Commit.
+        reserved = await stub.Reserve(
+            pb.ReserveRequest(namespace=ns, blocks=[b for b, _ in blocks])
+        )
+        assert [r.status for r in reserved.reservations] == [pb.RESERVED] * 2
+        assert reserved.expires_in == 5.0
+        for r, (_, payload) in zip(reserved.reservations, blocks, strict=True):
+            assert r.slot.length == BLOCK
+            arena[r.slot.offset : r.slot.offset + r.slot.length] = payload
+        committed = await stub.Commit(pb.CommitRequest(namespace=ns, keys=keys(blocks)))
+        assert list(committed.statuses) == [pb.STORED] * 2
+        committed = await stub.Commit(pb.CommitRequest(namespace=ns, keys=keys(blocks)))
+        assert list(committed.statuses) == [pb.EXPIRED] * 2
+        # Acquire -> read the slots -> Release.
+        acquired = await stub.Acquire(pb.AcquireRequest(namespace=ns, keys=keys(blocks)))
+        assert 0 < acquired.expires_in <= 5.0 and len(acquired.slots) == 2
+        for slot, (_, payload) in zip(acquired.slots, blocks, strict=True):
+            assert arena[slot.offset : slot.offset + slot.length] == payload
+    stats = await stub.Stats(pb.StatsRequest())
+    assert stats.active_leases == 1 and stats.blocks == 2
+    await stub.Release(pb.ReleaseRequest(lease_id=acquired.lease_id))
+    error = await rpc_error(stub.Release(pb.ReleaseRequest(lease_id=acquired.lease_id)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert f"lease {acquired.lease_id}" in error.details()
+    # The same bytes come back through the streamed plane too.
+    assert await get_payloads(stub, ns, keys(blocks)) == {
+        i: (payload, "host") for i, (_, payload) in enumerate(blocks)
+    }
+
+
+async def test_abort_prefetch_delete_and_stats(kv: Daemon) -> None:
+    stub = kv.stub(kv.running.addresses[0])
+    ns = await register(stub)
+    blocks = blocks_of("", 3)
+    reserved = await stub.Reserve(pb.ReserveRequest(namespace=ns, blocks=[blocks[0][0]]))
+    assert (await stub.Stats(pb.StatsRequest())).active_reservations == 1
+    await stub.Abort(pb.AbortRequest(namespace=ns, keys=keys(blocks[:1])))
+    assert reserved.reservations[0].status == pb.RESERVED
+    await stub.Put(put_chunks(ns, blocks))
+    chains = [pb.KeyChain(keys=keys(blocks))]
+    prefetched = await stub.Prefetch(
+        pb.PrefetchRequest(session_id="s", namespace=ns, chains=chains)
+    )
+    assert prefetched.num_blocks == 0  # all in the host tier already
+    deleted = await stub.Delete(pb.DeleteRequest(namespace=ns, keys=keys(blocks[1:2])))
+    assert deleted.num_blocks == 2
+    await stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks)))
+    stats = await stub.Stats(pb.StatsRequest())
+    assert (stats.puts, stats.lookups, stats.lookup_hit_blocks) == (3, 1, 1)
+    assert (stats.active_reservations, stats.active_leases) == (0, 0)
+    assert [t.name for t in stats.tiers] == ["host", "ssd"]
+    assert stats.tiers[0].capacity_bytes == 4 << 20
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+async def test_bad_requests_get_status_codes_naming_the_value(kv: Daemon, address: str) -> None:
+    stub = kv.stub(address)
+    ns = await register(stub)
+    (spec, payload), *_ = blocks_of("", 1)
+    error = await rpc_error(stub.Lookup(pb.LookupRequest(namespace=ns, keys=[b"short"])))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "keys[0] must be 32 bytes, got 5" in error.details()
+    # A block that ends short, and one that runs long.
+    chunks = list(put_chunks(ns, [(spec, payload[:1000])]))
+    error = await rpc_error(stub.Put(iter(chunks)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block 0 ended after 1000 payload bytes; its layout needs 16384" in error.details()
+    chunks = [*put_chunks(ns, [(spec, payload)]), pb.PutChunk(data=b"x")]
+    error = await rpc_error(stub.Put(iter(chunks)))
+    assert "chunk 4 carries data outside a block" in error.details()
+    bad_tokens = pb.BlockSpec(key=spec.key, parent=spec.parent, num_tokens=3)
+    error = await rpc_error(stub.Put(iter([pb.PutChunk(namespace=ns, block=bad_tokens)])))
+    assert "num_tokens must be 16" in error.details() and "got 3" in error.details()
+    # A message over max_message_bytes is refused by gRPC itself.
+    huge = pb.PutChunk(namespace=ns, block=spec, data=b"x" * (MAX_MESSAGE + 1))
+    error = await rpc_error(stub.Put(iter([huge])))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # An unknown namespace, and a malformed fingerprint.
+    other = Namespace(MODEL, "never").digest()
+    error = await rpc_error(stub.Lookup(pb.LookupRequest(namespace=other, keys=[spec.key])))
+    assert error.code() == grpc.StatusCode.NOT_FOUND and other.hex() in error.details()
+    bad_model = pb.ModelFingerprint(model_name="m", layout=pb.Layout(num_layers=0))
+    error = await rpc_error(stub.RegisterNamespace(pb.RegisterNamespaceRequest(model=bad_model)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_layers must be a positive int, got 0" in error.details()
+
+
+async def test_tokens_and_tenants(tmp_path: Path, short_dir: Path) -> None:
+    config = make_config(tmp_path, short_dir, tokens=("secret-a:alice", "secret-b:bob"))
+    async with daemon(config) as kv:
+        stub = kv.stub(kv.running.addresses[0])
+        alice = {"metadata": (("authorization", "Bearer secret-a"),)}
+        bob = {"metadata": (("authorization", "Bearer secret-b"),)}
+        wrong = {"metadata": (("authorization", "Bearer nope"),)}
+        # Health stays open to probes; everything else needs a known token.
+        health = health_pb2_grpc.HealthStub(kv.channels[-1])
+        reply = await health.Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        error = await rpc_error(stub.Handshake(pb.HandshakeRequest()))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "missing 'authorization: Bearer <token>'" in error.details()
+        error = await rpc_error(stub.Stats(pb.StatsRequest(), **wrong))
+        assert (error.code(), error.details()) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "unknown bearer token",
+        )
+        ns = await register(stub, "alice", **alice)
+        blocks = blocks_of("alice", 1)
+        # Streaming calls are refused too.
+        error = await rpc_error(stub.Put(put_chunks(ns, blocks)))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        error = await rpc_error(get_payloads(stub, ns, keys(blocks)))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert list((await stub.Put(put_chunks(ns, blocks), **alice)).statuses) == [pb.STORED]
+        # Bob may not use, nor register, alice's namespace.
+        error = await rpc_error(
+            stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks)), **bob)
+        )
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert ns.hex() in error.details()
+        error = await rpc_error(register(stub, "alice", **bob))
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "tenant 'bob' cannot register a namespace for tenant 'alice'" in error.details()
+        found = await stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks)), **alice)
+        assert found.num_blocks == 1
+
+
+async def test_a_client_deadline_cancels_a_slow_acquire_cleanly(kv: Daemon, monkeypatch) -> None:
+    stub = kv.stub(kv.running.addresses[0])
+    ns = await register(stub)
+    blocks = blocks_of("", 2)
+    await stub.Put(put_chunks(ns, blocks))
+    real_acquire = kv.store.acquire
+
+    async def slow_acquire(*args: object, **kwargs: object) -> object:
+        await asyncio.sleep(0.3)  # as if promoting from SSD
+        return await real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(kv.store, "acquire", slow_acquire)
+    request = pb.AcquireRequest(namespace=ns, keys=keys(blocks))
+    error = await rpc_error(stub.Acquire(request, timeout=0.1))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.sleep(0.5)
+    assert kv.store.stats().active_leases == 0
+
+
+# -- sockets and lifecycle ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["0600", "0660"])
+async def test_socket_mode_and_bound_addresses(tmp_path: Path, short_dir: Path, mode: str) -> None:
+    async with daemon(make_config(tmp_path, short_dir, mode=mode)) as kv:
+        unix, tcp = kv.running.addresses
+        path = Path(unix.removeprefix("unix:"))
+        assert socket_mode(path) == int(mode, 8)
+        host, port = tcp.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        # A second daemon on the same socket is refused while the first one lives.
+        store = BlockStore.from_config(make_config(tmp_path / "2", short_dir))
+        with pytest.raises(OSError) as caught:
+            await create_server(make_config(tmp_path, short_dir), store)
+        assert caught.value.errno == errno.EADDRINUSE
+    assert socket_mode(path) is None  # removed on stop
+
+
+async def test_stop_turns_health_off_and_flushes_write_back_blocks(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    config = make_config(tmp_path, short_dir)
+    blocks = blocks_of("", 3)
+    async with daemon(config) as kv:
+        stub = kv.stub(kv.running.addresses[1])
+        ns = await register(stub)
+        await stub.Put(put_chunks(ns, blocks))
+        assert kv.store.tier("ssd").tier.usage() == 0  # write-back: nothing there yet
+        await kv.running.health.enter_graceful_shutdown()
+        health = health_pb2_grpc.HealthStub(kv.channels[-1])
+        reply = await health.Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    # A new store on the same SSD directory finds the blocks that the host held.
+    async with BlockStore.from_config(config) as store:
+        found = await store.lookup(keys(blocks), namespace=ns)
+        assert (found.num_blocks, found.tiers) == (3, ("ssd",) * 3)
+        for spec, payload in blocks:
+            block = await store.get(spec.key, namespace=ns)
+            assert block is not None and block.payload == payload
+
+
+async def test_stop_lets_calls_in_flight_finish(kv: Daemon, monkeypatch) -> None:
+    stub = kv.stub(kv.running.addresses[0])
+    ns = await register(stub)
+    blocks = blocks_of("", 1)
+    await stub.Put(put_chunks(ns, blocks))
+    real_lookup = kv.store.lookup
+    entered = asyncio.Event()
+
+    async def slow_lookup(*args: object, **kwargs: object) -> object:
+        entered.set()
+        await asyncio.sleep(0.3)
+        return await real_lookup(*args, **kwargs)
+
+    monkeypatch.setattr(kv.store, "lookup", slow_lookup)
+    call = asyncio.ensure_future(stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks))))
+    await entered.wait()
+    await kv.running.stop(grace=5.0)
+    assert (await call).num_blocks == 1
+    error = await rpc_error(stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks))))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made by the openssl command."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_tls_on_tcp(tmp_path: Path, short_dir: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    base = make_config(tmp_path, short_dir)
+    server = dataclasses.replace(
+        base.server, listen=("127.0.0.1:0",), tls_cert=str(cert), tls_key=str(key)
+    )
+    async with daemon(dataclasses.replace(base, server=server)) as kv:
+        (address,) = kv.running.addresses
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(address, credentials) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            assert (await stub.Handshake(pb.HandshakeRequest())).chunk_bytes == CHUNK
+        plain = kv.stub(address)
+        error = await rpc_error(plain.Handshake(pb.HandshakeRequest(), timeout=2))
+        assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_a_stale_socket_file_is_replaced(tmp_path: Path, short_dir: Path) -> None:
+    path = short_dir / "run" / "kvstore.sock"
+    path.parent.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))  # a daemon that died without removing its socket
+    async with daemon(make_config(tmp_path, short_dir)) as kv:
+        stub = kv.stub(kv.running.addresses[0])
+        assert (await stub.Handshake(pb.HandshakeRequest())).chunk_bytes == CHUNK

@@ -1,0 +1,261 @@
+"""The daemon's request logic in-process: namespaces, tenants, validation, leases, prefetch."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvstore.blocks import ROOT_KEY
+from kvstore.client.keys import block_keys
+from kvstore.config import Config, HostConfig, ServerConfig, SsdConfig
+from kvstore.errors import (
+    InvalidBlockError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    UnknownLeaseError,
+    UnknownNamespaceError,
+)
+from kvstore.namespace import ModelFingerprint, Namespace
+from kvstore.results import PutStatus
+from kvstore.service import MAX_KEYS, BlockSpec, KVStoreService
+from kvstore.store import BlockStore
+
+MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
+                         dtype="float16", block_tokens=16)  # fmt: skip
+LAYOUT = MODEL.layout()
+BLOCK = LAYOUT.payload_bytes  # 16 KiB
+
+
+def make_config(tmp_path: Path, host_blocks: int = 64) -> Config:
+    return Config(
+        host=HostConfig(capacity=host_blocks * BLOCK, directory=str(tmp_path)),
+        ssd=SsdConfig(directory=str(tmp_path / "ssd"), capacity=1 << 26, fsync=False),
+        server=ServerConfig(listen=(f"unix:{tmp_path}/kv.sock",), lease_ttl=5.0),
+    )
+
+
+def blocks_of(tenant: str, num_blocks: int, salt: int = 0) -> list[tuple[BlockSpec, bytes]]:
+    """``num_blocks`` chained blocks of ``tenant``'s namespace with distinct payloads."""
+    tokens = [salt * 1_000_000 + i for i in range(num_blocks * LAYOUT.block_tokens)]
+    keys = block_keys(tokens, Namespace(MODEL, tenant))
+    parents = [ROOT_KEY, *keys[:-1]]
+    return [
+        (BlockSpec(key, parent, LAYOUT.block_tokens), bytes([i + 1 + salt]) * BLOCK)
+        for i, (key, parent) in enumerate(zip(keys, parents, strict=True))
+    ]
+
+
+@contextmanager
+def map_arena(path: str, size: int) -> Iterator[mmap.mmap]:
+    """The daemon's arena, mapped shared as a co-located client maps it."""
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), size) as arena:
+        yield arena
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[BlockStore]:
+    store = BlockStore.from_config(make_config(tmp_path))
+    async with store:
+        yield store
+
+
+@pytest.fixture
+async def service(store: BlockStore, tmp_path: Path) -> AsyncIterator[KVStoreService]:
+    async with KVStoreService(store, make_config(tmp_path)) as service:
+        yield service
+
+
+async def put_all(
+    service: KVStoreService, ns: bytes, blocks: list[tuple[BlockSpec, bytes]], tenant: str | None
+) -> list[PutStatus]:
+    return [await service.put(ns, spec, payload, tenant=tenant) for spec, payload in blocks]
+
+
+def keys(blocks: list[tuple[BlockSpec, bytes]]) -> list[bytes]:
+    return [spec.key for spec, _ in blocks]
+
+
+async def test_register_returns_the_clients_digest_and_is_idempotent(service) -> None:
+    digest = service.register_namespace(MODEL, "alice")
+    assert digest == Namespace(MODEL, "alice").digest()
+    assert service.register_namespace(MODEL, "alice", caller="alice") == digest
+    assert service.layout_of(digest) == LAYOUT
+    assert service.register_namespace(MODEL, "bob") != digest
+
+
+async def test_unknown_namespace_is_named(service) -> None:
+    digest = Namespace(MODEL, "nobody").digest()
+    with pytest.raises(UnknownNamespaceError, match=f"namespace {digest.hex()} is not registered"):
+        await service.lookup(digest, [])
+    with pytest.raises(InvalidRequestError, match="32-byte digest, got 3 bytes"):
+        await service.lookup(b"abc", [])
+
+
+async def test_put_lookup_get_round_trip_and_counts(service) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    blocks = blocks_of("alice", 3)
+    assert await put_all(service, ns, blocks, None) == [PutStatus.STORED] * 3
+    assert await put_all(service, ns, blocks[:1], None) == [PutStatus.DEDUP]
+    found = await service.lookup(ns, [*keys(blocks), b"\0" * 32])
+    assert (found.num_blocks, found.tiers) == (3, ("host",) * 3)
+    probe = [*keys(blocks[:2]), b"\1" * 32, *keys(blocks)]
+    got = [block async for block in service.get(ns, probe)]
+    assert [block.payload for block in got] == [payload for _, payload in blocks[:2]]
+    stats = service.stats()
+    assert (stats.lookups, stats.lookup_hit_blocks, stats.store.puts) == (1, 3, 3)
+    assert await service.delete(ns, keys(blocks[1:2])) == 2  # the block and its child
+    assert (await service.lookup(ns, keys(blocks))).num_blocks == 1
+
+
+async def test_a_tenant_cannot_use_or_register_anothers_namespace(service) -> None:
+    ns = service.register_namespace(MODEL, "alice", caller="alice")
+    blocks = blocks_of("alice", 2)
+    await put_all(service, ns, blocks, "alice")
+    with pytest.raises(PermissionDeniedError, match=r"tenant 'bob' cannot register .* 'alice'"):
+        service.register_namespace(MODEL, "alice", caller="bob")
+    with pytest.raises(PermissionDeniedError, match=f"namespace {ns.hex()} belongs to another"):
+        await service.lookup(ns, keys(blocks), tenant="bob")
+    with pytest.raises(PermissionDeniedError):
+        service.get(ns, keys(blocks), tenant="bob")
+    with pytest.raises(PermissionDeniedError):
+        await put_all(service, ns, blocks_of("alice", 1, salt=9), "bob")
+    with pytest.raises(PermissionDeniedError):
+        await service.delete(ns, keys(blocks), tenant="bob")
+    # A lease granted to alice cannot be ended by bob.
+    acquired = await service.acquire(ns, keys(blocks), tenant="alice")
+    with pytest.raises(PermissionDeniedError, match=f"lease {acquired.lease.lease_id} belongs"):
+        await service.release(acquired.lease.lease_id, tenant="bob")
+    await service.release(acquired.lease.lease_id, tenant="alice")
+    # Bob's own namespace for the same model is a different one, empty.
+    bob_ns = service.register_namespace(MODEL, "bob", caller="bob")
+    assert (await service.lookup(bob_ns, keys(blocks), tenant="bob")).num_blocks == 0
+
+
+async def test_validation_errors_name_the_bad_value(service) -> None:
+    ns = service.register_namespace(MODEL, "")
+    (spec, payload), *_ = blocks_of("", 1)
+    with pytest.raises(InvalidBlockError, match=r"keys\[1\] must be 32 bytes, got 31"):
+        await service.lookup(ns, [spec.key, b"k" * 31])
+    with pytest.raises(InvalidRequestError, match=f"{MAX_KEYS + 1} keys in one call; at most"):
+        await service.lookup(ns, [spec.key] * (MAX_KEYS + 1))
+    with pytest.raises(InvalidBlockError, match="has 100 payload bytes; its layout needs 16384"):
+        await service.put(ns, spec, b"x" * 100)
+    short = BlockSpec(spec.key, spec.parent, 15)
+    with pytest.raises(InvalidBlockError, match=r"num_tokens must be 16 .*got 15"):
+        await service.put(ns, short, payload)
+    with pytest.raises(InvalidBlockError, match=r"blocks\[1\].parent must be 32 bytes, got 0"):
+        await service.reserve(ns, [spec, BlockSpec(spec.key, b"", 16)])
+    assert service.stats().store.active_reservations == 0  # checked before any was reserved
+    with pytest.raises(InvalidRequestError, match=r"lease_seconds must be in 0\.\.3600.*got -1"):
+        await service.acquire(ns, [spec.key], -1.0)
+    with pytest.raises(InvalidBlockError, match=r"chains\[0\].keys\[0\] must be 32 bytes"):
+        await service.prefetch(ns, [[b"short"]])
+    with pytest.raises(UnknownLeaseError, match="lease 12345"):
+        await service.release(12345)
+
+
+async def test_reserve_write_commit_acquire_read_release(service, store) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    blocks = blocks_of("alice", 2)
+    arena = service.handshake().arena
+    assert arena is not None and arena.size == store.arena().size
+    with map_arena(arena.path, arena.size) as mapped:
+        reserved = await service.reserve(ns, [spec for spec, _ in blocks])
+        assert [r.status for r in reserved.items] == [PutStatus.RESERVED] * 2
+        assert reserved.expires_in == 5.0
+        # Invisible until committed.
+        assert (await service.lookup(ns, keys(blocks))).num_blocks == 0
+        for item, (_, payload) in zip(reserved.items, blocks, strict=True):
+            assert item.slot is not None and item.slot.length == BLOCK
+            mapped[item.slot.offset : item.slot.end] = payload
+        assert await service.commit(ns, keys(blocks)) == [PutStatus.STORED] * 2
+        assert await service.commit(ns, keys(blocks)) == [PutStatus.EXPIRED] * 2
+        again = await service.reserve(ns, [blocks[0][0]])
+        assert [r.status for r in again.items] == [PutStatus.DEDUP]
+        acquired = await service.acquire(ns, keys(blocks), lease_seconds=2.0)
+        assert acquired.lease.num_blocks == 2
+        for slot, (_, payload) in zip(acquired.slots, blocks, strict=True):
+            assert mapped[slot.offset : slot.end] == payload
+    assert service.stats().store.active_leases == 1
+    await service.release(acquired.lease.lease_id)
+    assert service.stats().store.active_leases == 0
+    with pytest.raises(UnknownLeaseError):
+        await service.release(acquired.lease.lease_id)
+
+
+async def test_abort_frees_a_reservation(service) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    blocks = blocks_of("alice", 1)
+    await service.reserve(ns, [blocks[0][0]])
+    assert service.stats().store.active_reservations == 1
+    await service.abort(ns, keys(blocks))
+    assert service.stats().store.active_reservations == 0
+    assert await service.commit(ns, keys(blocks)) == [PutStatus.EXPIRED]
+
+
+async def test_prefetch_promotes_in_the_background(tmp_path: Path) -> None:
+    config = make_config(tmp_path, host_blocks=4)
+    async with BlockStore.from_config(config) as store, KVStoreService(store, config) as service:
+        ns = service.register_namespace(MODEL, "alice")
+        old, new = blocks_of("alice", 3), blocks_of("alice", 3, salt=1)
+        await put_all(service, ns, old, None)
+        await put_all(service, ns, new, None)  # the host holds 4 blocks: old goes to SSD
+        before = await service.lookup(ns, keys(old))
+        assert before.num_blocks == 3 and "ssd" in before.tiers
+        queued = await service.prefetch(ns, [keys(old)], session_id="chat-1")
+        assert queued == before.tiers.count("ssd")
+        await service.wait_prefetches()
+        assert (await service.lookup(ns, keys(old))).tiers == ("host",) * 3
+        assert await service.prefetch(ns, [keys(old)]) == 0  # nothing left to move
+
+
+async def test_close_cancels_prefetches_in_flight(service, store, monkeypatch) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    blocks = blocks_of("alice", 1)
+    await put_all(service, ns, blocks, None)
+    started = asyncio.Event()
+
+    async def stuck(keys: object, namespace: bytes | None = None) -> int:
+        started.set()
+        await asyncio.sleep(3600)
+        return 0
+
+    async def on_ssd(keys: object, namespace: bytes | None = None) -> object:
+        from kvstore.results import LookupResult
+
+        return LookupResult(1, ("ssd",))
+
+    monkeypatch.setattr(store, "prefetch", stuck)
+    monkeypatch.setattr(store, "lookup", on_ssd)
+    assert await service.prefetch(ns, [keys(blocks)], session_id="s") == 1
+    await started.wait()
+    assert service.stats().prefetches_in_flight == 1
+    names = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("prefetch-")]
+    assert names == ["prefetch-1-s"]
+    await asyncio.wait_for(service.aclose(), timeout=5)
+    assert service.stats().prefetches_in_flight == 0
+
+
+async def test_a_cancelled_acquire_leaves_no_lease(service, store, monkeypatch) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    blocks = blocks_of("alice", 2)
+    await put_all(service, ns, blocks, None)
+    real_acquire = store.acquire
+
+    async def slow_acquire(*args: object, **kwargs: object) -> object:
+        await asyncio.sleep(0.2)  # a promotion from SSD in progress
+        return await real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(store, "acquire", slow_acquire)
+    call = asyncio.create_task(service.acquire(ns, keys(blocks)))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await asyncio.sleep(0.3)  # the promotion finishes; its lease is released at once
+    assert store.stats().active_leases == 0
