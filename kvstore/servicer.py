@@ -83,6 +83,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._service = service
         self._tenant_of = tenant_of
         self._chunk_bytes = chunk_bytes
+        self._arena: tuple[int, int] | None = None
+
+    def _arena_identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the arena; fixed for the daemon's life, so read once."""
+        if self._arena is None:
+            arena = self._service.handshake().arena
+            self._arena = (0, 0) if arena is None else (arena.device, arena.inode)
+        return self._arena
 
     @contextlib.asynccontextmanager
     async def _call(self, context: Context) -> AsyncIterator[str | None]:
@@ -127,10 +135,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             acquired = await self._service.acquire(
                 request.namespace, list(request.keys), request.lease_seconds, tenant=tenant
             )
+            device, inode = self._arena_identity()
             return pb.AcquireResponse(
                 lease_id=acquired.lease.lease_id,
                 slots=[pb.Slot(offset=s.offset, length=s.length) for s in acquired.slots],
                 expires_in=_seconds_until(acquired.lease.expires_at),
+                arena_device=device,
+                arena_inode=inode,
             )
 
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
@@ -142,7 +153,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         async with self._call(context) as tenant:
             specs = [BlockSpec(b.key, b.parent, b.num_tokens) for b in request.blocks]
             reserved = await self._service.reserve(request.namespace, specs, tenant=tenant)
+            device, inode = self._arena_identity()
             return pb.ReserveResponse(
+                arena_device=device,
+                arena_inode=inode,
                 reservations=[
                     pb.Reservation(
                         status=_WRITE_STATUS[r.status],

@@ -131,14 +131,18 @@ class AcquireRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "expires_in")
+    __slots__ = ("lease_id", "slots", "expires_in", "arena_device", "arena_inode")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    ARENA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_INODE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     expires_in: float
-    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
+    arena_device: int
+    arena_inode: int
+    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., expires_in: _Optional[float] = ..., arena_device: _Optional[int] = ..., arena_inode: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -177,12 +181,16 @@ class Reservation(_message.Message):
     def __init__(self, status: _Optional[_Union[WriteStatus, str]] = ..., slot: _Optional[_Union[Slot, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservations", "expires_in")
+    __slots__ = ("reservations", "expires_in", "arena_device", "arena_inode")
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    ARENA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_INODE_FIELD_NUMBER: _ClassVar[int]
     reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
     expires_in: float
-    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
+    arena_device: int
+    arena_inode: int
+    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., expires_in: _Optional[float] = ..., arena_device: _Optional[int] = ..., arena_inode: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("namespace", "keys")

@@ -1,0 +1,383 @@
+"""The asyncio client of the kvstore daemon: gRPC control plane, shared-memory data plane.
+
+Primitives, in the order an engine uses them:
+
+1. ``connect()``: Handshake; maps the daemon's arena when it is on this host (``data_plane``
+   says ``"shm"``), else KV bytes are streamed over gRPC (``"stream"``). ``aclose()`` or
+   ``async with`` ends it.
+2. ``register(namespace)`` -> the digest other calls carry (cached; a daemon that forgot it,
+   e.g. after a restart, is answered by re-registering and retrying once, transparently).
+3. ``lookup(namespace, keys)`` -> how many leading blocks are held (``lookup_tiers``: and where).
+4. ``get(namespace, keys, out=...)`` -> the leading held blocks' payloads (a miss is a shorter
+   list); ``view(namespace, keys)`` / ``view_tensors(...)`` -> zero-copy views under a lease.
+5. ``put(namespace, keys, blocks, parent=...)`` -> one :class:`WriteStatus` per block.
+6. ``prefetch``, ``delete``, ``stats``, ``health``.
+
+Idempotent calls (Handshake, RegisterNamespace, Lookup, the Get stream, Prefetch, Delete,
+Stats) are retried with jittered exponential backoff on UNAVAILABLE and DEADLINE_EXCEEDED;
+Acquire, Reserve, Commit and Put never are. Errors are :mod:`kvstore.client.errors` classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal, Self, TypeVar, overload
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.blocks import ROOT_KEY
+from kvstore.client import transfer, wire
+from kvstore.client.connection import Connection
+from kvstore.client.errors import TRANSIENT, error_from_rpc
+from kvstore.client.shm import Arena, Payload, check_payloads
+from kvstore.client.wire import LookupResult, ServerInfo, Slots, Stats, WriteStatus
+from kvstore.namespace import Namespace
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+
+__all__ = ["AsyncKVStoreClient"]
+
+TargetT = TypeVar("TargetT", bytearray, memoryview, torch.Tensor)
+
+
+class AsyncKVStoreClient:
+    """A connection to one daemon; see the module docstring.
+
+    Args:
+        address: ``"unix:/path/to.sock"`` or ``"host:port"``.
+        token: Sent as ``authorization: Bearer <token>`` on every call.
+        use_shm: Map the daemon's arena when it is on this host; ``False`` always streams.
+        tls_root_cert: PEM root certificate(s); set for a TLS TCP listener.
+        timeout: Seconds per call attempt.
+        retries: Extra attempts of idempotent calls on UNAVAILABLE or DEADLINE_EXCEEDED.
+
+    Raises:
+        ValueError: A malformed address, a timeout <= 0 or retries < 0.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        use_shm: bool = True,
+        tls_root_cert: bytes | None = None,
+        timeout: float = 10.0,
+        retries: int = 3,
+    ) -> None:
+        self._conn = Connection(
+            address,
+            token=token,
+            use_shm=use_shm,
+            tls_root_cert=tls_root_cert,
+            timeout=timeout,
+            retries=retries,
+        )
+
+    async def connect(self) -> None:
+        """Opens the channel, shakes hands and maps the arena if it can; again: no-op.
+
+        Raises:
+            KVStoreError: The daemon cannot be reached (after retries) or refused the token.
+        """
+        await self._conn.open()
+
+    async def aclose(self) -> None:
+        """Closes the channel and unmaps the arena (once copies in flight are done)."""
+        await self._conn.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"AsyncKVStoreClient({self.address!r}, data_plane={self.data_plane!r})"
+
+    @property
+    def address(self) -> str:
+        return self._conn.address
+
+    @property
+    def data_plane(self) -> Literal["shm", "stream"]:
+        """``"shm"`` when KV bytes move through the mapped arena, else ``"stream"``."""
+        return "shm" if self._conn.arena is not None else "stream"
+
+    @property
+    def server_info(self) -> ServerInfo:
+        """The daemon's last handshake (``NotConnectedError`` before ``connect()``)."""
+        return self._conn.info
+
+    # Control plane --------------------------------------------------------------------------
+
+    async def register(self, namespace: Namespace) -> bytes:
+        """Registers a model + tenant with the daemon (once per namespace; cached).
+
+        Returns:
+            The 32-byte namespace digest the daemon uses.
+
+        Raises:
+            PermissionDeniedError: The token belongs to another tenant.
+        """
+        return await self._conn.register(namespace)
+
+    async def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of a key chain the daemon holds (0 on a miss).
+
+        Raises:
+            ValueError: A key is not 32 bytes.
+        """
+        return (await self.lookup_tiers(namespace, keys)).num_blocks
+
+    async def lookup_tiers(self, namespace: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        """How many leading blocks are held, and per block the highest tier holding it.
+
+        Raises:
+            ValueError: A key is not 32 bytes.
+        """
+        keys = wire.check_keys(keys)
+        if not keys:
+            return LookupResult(0, ())
+
+        async def lookup(digest: bytes) -> pb.LookupResponse:
+            request = pb.LookupRequest(namespace=digest, keys=keys)
+            return await self._conn.unary("Lookup", request, pb.LookupResponse, idempotent=True)
+
+        reply = await self._conn.in_namespace(namespace, lookup)
+        return LookupResult(reply.num_blocks, tuple(reply.tiers))
+
+    async def prefetch(
+        self, session_id: str, namespace: Namespace, chains: Sequence[Sequence[bytes]]
+    ) -> int:
+        """Hints that a session runs soon: the daemon moves its chains up to the host tier.
+
+        Returns:
+            How many blocks the daemon queued for promotion.
+        """
+        checked = [pb.KeyChain(keys=wire.check_keys(chain, "chain")) for chain in chains]
+
+        async def prefetch(digest: bytes) -> pb.PrefetchResponse:
+            request = pb.PrefetchRequest(session_id=session_id, namespace=digest, chains=checked)
+            return await self._conn.unary("Prefetch", request, pb.PrefetchResponse, idempotent=True)
+
+        return (await self._conn.in_namespace(namespace, prefetch)).num_blocks
+
+    async def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        """Deletes blocks from every tier; returns how many were deleted."""
+        keys = wire.check_keys(keys)
+
+        async def delete(digest: bytes) -> pb.DeleteResponse:
+            request = pb.DeleteRequest(namespace=digest, keys=keys)
+            return await self._conn.unary("Delete", request, pb.DeleteResponse, idempotent=True)
+
+        return (await self._conn.in_namespace(namespace, delete)).num_blocks
+
+    async def stats(self) -> Stats:
+        """The daemon's counters and per-tier usage."""
+        reply = await self._conn.unary(
+            "Stats", pb.StatsRequest(), pb.StatsResponse, idempotent=True
+        )
+        return wire.stats(reply)
+
+    async def health(self) -> bool:
+        """``True`` when the daemon says it serves; ``False`` when it cannot be reached.
+
+        Asks the standard ``grpc.health.v1`` service, or shakes hands when there is none.
+
+        Raises:
+            UnauthenticatedError, PermissionDeniedError: The daemon refused the token.
+        """
+        stub = health_pb2_grpc.HealthStub(self._conn.channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            reply = await stub.Check(
+                request, metadata=self._conn.metadata, timeout=self._conn.timeout
+            )
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                error = error_from_rpc(exc, "Check")
+                if isinstance(error, TRANSIENT):
+                    return False
+                raise error from exc
+        try:
+            await self._conn.unary("Handshake", pb.HandshakeRequest(), pb.HandshakeResponse)
+        except TRANSIENT:
+            return False
+        return True
+
+    # Data plane -----------------------------------------------------------------------------
+
+    @overload
+    async def get(
+        self, namespace: Namespace, keys: Sequence[bytes], *, out: None = None
+    ) -> list[bytes]: ...
+
+    @overload
+    async def get(
+        self, namespace: Namespace, keys: Sequence[bytes], *, out: Sequence[TargetT]
+    ) -> list[TargetT]: ...
+
+    async def get(
+        self, namespace: Namespace, keys: Sequence[bytes], *, out: Sequence[TargetT] | None = None
+    ) -> list[bytes] | list[TargetT]:
+        """The payloads of the leading held blocks of a key chain.
+
+        Args:
+            namespace: The model and tenant.
+            keys: A key chain, block 0 first.
+            out: One destination per key (writable buffers, or contiguous tensors on any
+                device, of exactly ``payload_bytes``); the blocks are copied into them.
+
+        Returns:
+            One payload per leading held block (fewer than ``keys`` on a partial hit, empty on
+            a miss): new bytes, or the first entries of ``out``, filled.
+
+        Raises:
+            ValueError: A key is not 32 bytes, or ``out`` does not fit.
+            UnknownLeaseError: The lease expired before the copy finished (nothing returned).
+        """
+        keys = wire.check_keys(keys)
+        size = namespace.model.layout().payload_bytes
+        if out is not None:
+            if len(out) != len(keys):
+                raise ValueError(f"out needs one buffer per key: {len(keys)}, got {len(out)}")
+            check_payloads(out, size, what="out", writable=True)
+        if not keys:
+            return []
+
+        async def get(digest: bytes) -> list[bytes] | list[TargetT]:
+            leased = await transfer.acquire(self._conn, digest, keys, size)
+            if leased is None:
+                return await transfer.get_stream(self._conn, digest, keys, size, out)
+            lease_id, slots, arena = leased
+            try:
+                if out is None:
+                    result: list[bytes] | list[TargetT] = await arena.read(slots)
+                else:
+                    await arena.copy_out(slots, out[: len(slots)])
+                    result = list(out[: len(slots)])
+            except BaseException:
+                await transfer.release(self._conn, lease_id, quietly=True)
+                raise
+            await transfer.release(self._conn, lease_id)
+            return result
+
+        return await self._conn.in_namespace(namespace, get)
+
+    @contextlib.asynccontextmanager
+    async def view(
+        self, namespace: Namespace, keys: Sequence[bytes]
+    ) -> AsyncIterator[list[memoryview]]:
+        """Read-only views of the leading held blocks, valid inside the ``async with``.
+
+        On the shm plane they point into the arena (no copy) under a lease that ends on exit,
+        when the views are released too; finish within ``server_info.lease_seconds``. On the
+        stream plane they view downloaded bytes.
+
+        Raises:
+            ValueError: A key is not 32 bytes.
+            UnknownLeaseError: On exit, when the lease expired while the views were in use.
+        """
+        async with self._leased(namespace, keys) as leased:
+            if leased is None:
+                yield [memoryview(block) for block in await self.get(namespace, keys)]
+                return
+            arena, slots = leased
+            views = [arena.view(*slot) for slot in slots]
+            try:
+                yield views
+            finally:
+                for view in views:
+                    with contextlib.suppress(BufferError):  # the caller still exports it
+                        view.release()
+
+    @contextlib.asynccontextmanager
+    async def view_tensors(
+        self, namespace: Namespace, keys: Sequence[bytes]
+    ) -> AsyncIterator[list[torch.Tensor]]:
+        """Like :meth:`view`, as flat uint8 CPU tensors of ``payload_bytes`` each.
+
+        On the shm plane they share the arena's memory: do not write them, and do not use them
+        after the ``async with`` (the slots may be reused). On the stream plane they are copies.
+        """
+        async with self._leased(namespace, keys) as leased:
+            if leased is None:
+                size = namespace.model.layout().payload_bytes
+                out = [torch.empty(size, dtype=torch.uint8) for _ in keys]
+                yield await self.get(namespace, keys, out=out)
+            else:
+                arena, slots = leased
+                yield [arena.tensor(*slot) for slot in slots]
+
+    async def put(
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        blocks: Sequence[Payload],
+        *,
+        parent: bytes = ROOT_KEY,
+    ) -> list[WriteStatus]:
+        """Stores full blocks of a key chain; visible to every client once this returns.
+
+        Args:
+            namespace: The model and tenant.
+            keys: A contiguous key chain; ``keys[i]``'s parent is ``keys[i - 1]``.
+            blocks: One raw payload per key, ``layout.payload_bytes`` each: buffers, or
+                contiguous tensors on any device
+                (``[num_layers, 2, num_kv_heads, block_tokens, head_dim]``).
+            parent: The key before ``keys[0]``; ``ROOT_KEY`` when ``keys[0]`` is block 0.
+
+        Returns:
+            One status per block: STORED, DEDUP (already held), NO_SPACE or EXPIRED.
+
+        Raises:
+            ValueError: A key is not 32 bytes, or a block has the wrong size (index named).
+        """
+        keys = wire.check_keys(keys)
+        (parent,) = wire.check_keys([parent], "parent")
+        if len(blocks) != len(keys):
+            raise ValueError(f"put needs one block per key: {len(keys)} keys, {len(blocks)} blocks")
+        size = namespace.model.layout().payload_bytes
+        check_payloads(blocks, size, what="blocks")
+        if not keys:
+            return []
+        specs = wire.block_specs(keys, parent, namespace.model.block_tokens)
+
+        async def put(digest: bytes) -> list[WriteStatus]:
+            arena = await self._conn.fresh_arena()
+            if arena is None:
+                return await transfer.put_stream(self._conn, digest, specs, blocks)
+            return await transfer.put_shm(self._conn, digest, specs, blocks, size, arena)
+
+        return await self._conn.in_namespace(namespace, put)
+
+    @contextlib.asynccontextmanager
+    async def _leased(
+        self, namespace: Namespace, keys: Sequence[bytes]
+    ) -> AsyncIterator[tuple[Arena, Slots] | None]:
+        """(arena, slots) of the leading held blocks under a lease; ``None`` when streaming."""
+        keys = wire.check_keys(keys)
+        size = namespace.model.layout().payload_bytes
+        if not keys or self.data_plane == "stream":
+            yield None
+            return
+
+        async def acquire(digest: bytes) -> tuple[int, Slots, Arena] | None:
+            return await transfer.acquire(self._conn, digest, keys, size)
+
+        leased = await self._conn.in_namespace(namespace, acquire)
+        if leased is None:
+            yield None
+            return
+        lease_id, slots, arena = leased
+        try:
+            yield arena, slots
+        except BaseException:
+            await transfer.release(self._conn, lease_id, quietly=True)
+            raise
+        await transfer.release(self._conn, lease_id)

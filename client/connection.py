@@ -1,0 +1,287 @@
+"""One channel to the daemon: calls, retries, the handshake's arena and namespace registrations.
+
+:class:`Connection` is what the client's operations stand on:
+
+1. ``open()``: channel, Handshake, arena mapped when it is this host's (``arena`` is then set),
+   and a watcher that marks the arena stale whenever the connection drops (the daemon may
+   come back as another process, with another arena). ``aclose()`` undoes it all.
+2. ``unary(method, request, reply_type, idempotent=...)``: one call with the bearer token,
+   the timeout, retries for idempotent calls and grpc errors mapped to the client's tree.
+3. ``register(namespace)`` -> digest (cached); ``in_namespace(namespace, call)`` runs
+   ``call(digest)`` and, when the daemon forgot the namespace or restarted meanwhile, shakes
+   hands again, re-registers and runs it once more.
+4. ``fresh_arena()`` before a data-plane call, ``check_fresh(arena)`` after the daemon
+   answered it: a lease's slots are never read from an arena the daemon no longer owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Final, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from kvstore.client import wire
+from kvstore.client.errors import (
+    TRANSIENT,
+    NotConnectedError,
+    ProtocolError,
+    UnavailableError,
+    UnknownNamespaceError,
+    error_from_rpc,
+)
+from kvstore.client.shm import Arena
+from kvstore.client.wire import ServerInfo
+from kvstore.namespace import Namespace
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+
+__all__ = ["Connection", "StaleArenaError"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+M = TypeVar("M", bound=Message)
+
+_CHANNEL_OPTIONS: Final = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    # The daemon is usually on this host: after a restart, reconnect within a second or two
+    # instead of gRPC's default backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+BACKOFF_BASE, BACKOFF_CAP = 0.05, 2.0  # seconds: first retry delay, and the most of any
+
+
+class StaleArenaError(Exception):
+    """The connection dropped during a data-plane call: its slots may name another arena."""
+
+
+class Connection:
+    """See the module docstring; the arguments are :class:`AsyncKVStoreClient`'s."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None,
+        use_shm: bool,
+        tls_root_cert: bytes | None,
+        timeout: float,
+        retries: int,
+    ) -> None:
+        if not address.startswith("unix:") and not address.rpartition(":")[2].isdigit():
+            raise ValueError(
+                f"address must be 'unix:/path/to.sock' or 'host:port', got {address!r}"
+            )
+        if timeout <= 0 or retries < 0:
+            raise ValueError(f"need timeout > 0 and retries >= 0, got {timeout} and {retries}")
+        self.address = address
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.timeout = timeout
+        self.retries = retries
+        self.arena: Arena | None = None
+        self._use_shm = use_shm
+        self._tls_root_cert = tls_root_cert
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
+        self._info: ServerInfo | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._namespaces: dict[Namespace, bytes] = {}
+        self._stale = False
+        self._stale_always = False
+        self._refresh_lock = asyncio.Lock()
+
+    async def open(self) -> None:
+        """Opens the channel and shakes hands; a second call does nothing."""
+        if self._channel is not None:
+            return
+        if self._tls_root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self._tls_root_cert)
+            self._channel = grpc.aio.secure_channel(self.address, creds, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
+        try:
+            await self.refresh()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._watcher = asyncio.create_task(self._watch(), name=f"kvstore-watch {self.address}")
+
+    async def aclose(self) -> None:
+        """Stops the watcher, unmaps the arena once its copies are done, closes the channel."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            await arena.aclose()
+        channel, self._channel, self._stub, self._info = self._channel, None, None, None
+        if channel is not None:
+            await channel.close()
+        self._namespaces.clear()
+
+    @property
+    def info(self) -> ServerInfo:
+        """The last handshake (``NotConnectedError`` before ``open()``)."""
+        if self._info is None:
+            raise NotConnectedError(f"the client of {self.address} is not connected")
+        return self._info
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            raise NotConnectedError(f"the client of {self.address} is not connected")
+        return self._channel
+
+    @property
+    def stub(self) -> kvstore_pb2_grpc.KVStoreStub:
+        if self._stub is None:
+            raise NotConnectedError(f"the client of {self.address} is not connected")
+        return self._stub
+
+    # Calls ----------------------------------------------------------------------------------
+
+    async def unary(
+        self, method: str, request: object, reply_type: type[M], *, idempotent: bool = False
+    ) -> M:
+        """One call (unary, or a request stream), retried when idempotent; its checked reply."""
+        rpc = getattr(self.stub, method)
+
+        async def call() -> object:
+            return await rpc(request, metadata=self.metadata, timeout=self.timeout)
+
+        reply = await self.retrying(method, call, idempotent=idempotent)
+        if not isinstance(reply, reply_type):
+            raise ProtocolError(f"{method} answered a {type(reply).__name__}", method=method)
+        return reply
+
+    async def retrying(
+        self, method: str, call: Callable[[], Awaitable[R]], *, idempotent: bool
+    ) -> R:
+        """Runs ``call``, mapping grpc errors; on UNAVAILABLE or DEADLINE_EXCEEDED an idempotent
+        call runs again, up to ``retries`` times, after jittered exponential backoff."""
+        attempt = 0
+        while True:
+            try:
+                return await call()
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, method)
+                if isinstance(error, TRANSIENT):
+                    self._stale = True  # the daemon may come back as another process
+                if not (idempotent and isinstance(error, TRANSIENT) and attempt < self.retries):
+                    raise error from exc
+            delay = min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt) * random.uniform(0.5, 1.0)
+            log.debug("%s: %s; retrying in %.3f s", method, error, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def unary_undone_on_cancel(
+        self,
+        method: str,
+        request: object,
+        reply_type: type[M],
+        undo: Callable[[M], Awaitable[None]],
+    ) -> M:
+        """:meth:`unary` for a call that grants something (a lease, reservations): a caller
+        cancelled meanwhile still waits for the reply and runs ``undo(reply)`` before the
+        cancellation propagates, so nothing stays held until it expires."""
+        task = asyncio.ensure_future(self.unary(method, request, reply_type))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is None:
+                await undo(task.result())
+            raise
+
+    # Namespaces -----------------------------------------------------------------------------
+
+    async def register(self, namespace: Namespace) -> bytes:
+        """The daemon's digest of ``namespace``, registering it on first use."""
+        digest = self._namespaces.get(namespace)
+        if digest is None:
+            request = pb.RegisterNamespaceRequest(
+                model=wire.fingerprint_message(namespace.model), tenant=namespace.tenant
+            )
+            reply = await self.unary(
+                "RegisterNamespace", request, pb.RegisterNamespaceResponse, idempotent=True
+            )
+            digest = self._namespaces[namespace] = reply.namespace
+        return digest
+
+    async def in_namespace(self, namespace: Namespace, call: Callable[[bytes], Awaitable[R]]) -> R:
+        """Runs ``call(digest)``; when the daemon forgot the namespace or restarted meanwhile,
+        shakes hands again, re-registers and runs it once more."""
+        try:
+            return await call(await self.register(namespace))
+        except (UnknownNamespaceError, StaleArenaError) as error:
+            log.info("%s: %s; shaking hands and registering again", self.address, error)
+        await self.refresh()
+        try:
+            return await call(await self.register(namespace))
+        except StaleArenaError as error:
+            raise UnavailableError(str(error)) from None
+
+    # The arena ------------------------------------------------------------------------------
+
+    async def fresh_arena(self) -> Arena | None:
+        """The arena to use now (``None``: stream), after a new handshake if the daemon may
+        have restarted since the last one."""
+        if self._stale or self._stale_always:
+            await self.refresh()
+        return self.arena
+
+    def check_fresh(self, arena: Arena, method: str, device: int, inode: int) -> None:
+        """Raises :class:`StaleArenaError` unless the slots the daemon just named lie in
+        ``arena``: the reply names its arena (``device``, ``inode``), and a dropped connection
+        means the daemon may have restarted with a new one."""
+        if self._stale or arena is not self.arena:
+            raise StaleArenaError(f"the daemon at {self.address} went away during {method}")
+        if (device, inode) != (arena.device, arena.inode):
+            raise StaleArenaError(
+                f"{method} named slots in arena (device {device}, inode {inode}) but the mapped "
+                f"arena is (device {arena.device}, inode {arena.inode}): the daemon restarted"
+            )
+
+    async def refresh(self) -> None:
+        """Handshake; maps the announced arena unless it is the one already mapped."""
+        async with self._refresh_lock:
+            self._stale = False
+            request = pb.HandshakeRequest()
+            reply = await self.unary("Handshake", request, pb.HandshakeResponse, idempotent=True)
+            info = wire.server_info(reply)
+            self._namespaces.clear()
+            old = self.arena
+            announced = (info.arena_path, info.arena_bytes, info.arena_device, info.arena_inode)
+            if old is None or (old.path, old.size, old.device, old.inode) != announced:
+                self.arena = Arena.open(*announced) if self._use_shm else None
+                if old is not None:
+                    await old.aclose()
+            self._info = info
+
+    async def _watch(self) -> None:
+        channel = self.channel
+        state = channel.get_state()
+        try:
+            while True:
+                await channel.wait_for_state_change(state)
+                new = channel.get_state()
+                if state is grpc.ChannelConnectivity.READY and new is not state:
+                    self._stale = True
+                state = new
+        except Exception:  # without the watcher, shake hands before every data-plane call
+            log.exception("%s: the connection watcher failed", self.address)
+            self._stale_always = True

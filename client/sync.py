@@ -1,0 +1,154 @@
+"""The blocking client: :class:`AsyncKVStoreClient` driven from a private event-loop thread.
+
+Each method of :class:`KVStoreClient` is the async client's method of the same name, run on
+one event loop that lives in a daemon thread (``asyncio.run_coroutine_threadsafe``); nothing
+is implemented twice. ``view`` and ``view_tensors`` become ordinary context managers.
+
+    with KVStoreClient("unix:/run/kvstore/kvstore.sock") as client:
+        n = client.lookup(namespace, keys)
+        payloads = client.get(namespace, keys)
+
+A method must not be called from the client's own loop thread (it would wait on itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import sys
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
+
+from kvstore.client.client import AsyncKVStoreClient
+from kvstore.client.wire import ServerInfo
+
+__all__ = ["KVStoreClient"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _blocking(
+    method: Callable[Concatenate[AsyncKVStoreClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[KVStoreClient, P], T]:
+    """The async client's ``method``, waited for on the client's loop."""
+
+    def call(self: KVStoreClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(method(self._client, *args, **kwargs))
+
+    functools.update_wrapper(call, method)
+    return call
+
+
+def _blocking_context(
+    method: Callable[Concatenate[AsyncKVStoreClient, P], AbstractAsyncContextManager[T]],
+) -> Callable[Concatenate[KVStoreClient, P], contextlib.AbstractContextManager[T]]:
+    """The async client's context-manager ``method`` as an ordinary context manager."""
+
+    @contextlib.contextmanager
+    def call(self: KVStoreClient, /, *args: P.args, **kwargs: P.kwargs) -> Iterator[T]:
+        manager = method(self._client, *args, **kwargs)
+        value = self._run(manager.__aenter__())
+        try:
+            yield value
+        except BaseException:
+            if not self._run(manager.__aexit__(*sys.exc_info())):
+                raise
+        else:
+            self._run(manager.__aexit__(None, None, None))
+
+    functools.update_wrapper(call, method)
+    return call
+
+
+class KVStoreClient:
+    """The blocking twin of :class:`AsyncKVStoreClient`; same arguments, same methods."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        use_shm: bool = True,
+        tls_root_cert: bytes | None = None,
+        timeout: float = 10.0,
+        retries: int = 3,
+    ) -> None:
+        self._client = AsyncKVStoreClient(
+            address,
+            token=token,
+            use_shm=use_shm,
+            tls_root_cert=tls_root_cert,
+            timeout=timeout,
+            retries=retries,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"kvstore-client {address}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a KVStoreClient method was called from its own event loop")
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("the KVStoreClient is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt while waiting: stop the call too
+            raise
+
+    def close(self) -> None:
+        """Closes the async client, then stops and closes the loop; again: no-op."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._client.aclose())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> Self:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVStoreClient({self.address!r}, data_plane={self.data_plane!r})"
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    @property
+    def data_plane(self) -> Literal["shm", "stream"]:
+        """``"shm"`` when KV bytes move through the mapped arena, else ``"stream"``."""
+        return self._client.data_plane
+
+    @property
+    def server_info(self) -> ServerInfo:
+        """The daemon's last handshake (``NotConnectedError`` before ``connect()``)."""
+        return self._client.server_info
+
+    connect = _blocking(AsyncKVStoreClient.connect)
+    register = _blocking(AsyncKVStoreClient.register)
+    lookup = _blocking(AsyncKVStoreClient.lookup)
+    lookup_tiers = _blocking(AsyncKVStoreClient.lookup_tiers)
+    get = _blocking(AsyncKVStoreClient.get)
+    put = _blocking(AsyncKVStoreClient.put)
+    prefetch = _blocking(AsyncKVStoreClient.prefetch)
+    delete = _blocking(AsyncKVStoreClient.delete)
+    stats = _blocking(AsyncKVStoreClient.stats)
+    health = _blocking(AsyncKVStoreClient.health)
+    view = _blocking_context(AsyncKVStoreClient.view)
+    view_tensors = _blocking_context(AsyncKVStoreClient.view_tensors)

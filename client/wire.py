@@ -1,0 +1,246 @@
+"""The client's values and their protobuf messages: conversions and checks of the daemon's answers.
+
+Values the client returns (:class:`WriteStatus`, :class:`LookupResult`, :class:`ServerInfo`,
+:class:`Stats`) are plain frozen dataclasses and enums, never protobuf messages. Everything the
+daemon answers is checked here before the client acts on it: a slot outside the arena, a count
+that does not match the request or a short streamed block raise :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import AsyncIterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+import torch
+
+from kvstore.client.errors import ProtocolError
+from kvstore.client.shm import Arena, Payload, as_bytes
+from kvstore.namespace import ModelFingerprint
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+
+__all__ = ["LookupResult", "ServerInfo", "Stats", "TierStats", "WriteStatus"]
+
+KEY_BYTES: Final = 32
+DEFAULT_CHUNK_BYTES: Final = 1 << 20
+
+TargetT = TypeVar("TargetT", bytearray, memoryview, torch.Tensor)
+Slots = list[tuple[int, int]]  # (offset, length) in the arena
+
+
+class WriteStatus(enum.Enum):
+    """What became of one block of a put."""
+
+    STORED = "stored"  # committed and visible
+    DEDUP = "dedup"  # already held (or being written by another client): nothing to do
+    NO_SPACE = "no_space"  # no room now; the block is not stored
+    EXPIRED = "expired"  # the reservation expired before the commit; not stored
+
+
+_WRITE_STATUSES: Final[Mapping[int, WriteStatus]] = {
+    pb.STORED: WriteStatus.STORED,
+    pb.DEDUP: WriteStatus.DEDUP,
+    pb.NO_SPACE: WriteStatus.NO_SPACE,
+    pb.EXPIRED: WriteStatus.EXPIRED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_blocks: int  # leading blocks of the chain the daemon holds
+    tiers: tuple[str, ...]  # per matched block, the highest tier holding it
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """The daemon's handshake."""
+
+    server_version: str
+    arena_path: str  # empty when the daemon has no host tier
+    arena_bytes: int
+    arena_device: int
+    arena_inode: int
+    max_message_bytes: int
+    chunk_bytes: int
+    lease_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    usage_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: int
+    evictions: int
+    healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    tiers: tuple[TierStats, ...]
+    blocks: int
+    puts: int
+    dedup_puts: int
+    gets: int
+    misses: int
+    promotions: int
+    demotions: int
+    dropped_saves: int
+    corrupt_blocks: int
+    active_leases: int
+    active_reservations: int
+    lookups: int
+    lookup_hit_blocks: int
+
+
+# Requests ---------------------------------------------------------------------------------
+
+
+def check_keys(keys: Sequence[bytes], what: str = "keys") -> list[bytes]:
+    """The keys as a list, each checked to be 32 bytes (``ValueError`` naming the index)."""
+    checked = list(keys)
+    for index, key in enumerate(checked):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            found = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+            raise ValueError(f"{what}[{index}] must be {KEY_BYTES} bytes, got {found}")
+    return checked
+
+
+def fingerprint_message(model: ModelFingerprint) -> pb.ModelFingerprint:
+    layout = pb.Layout(
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        block_tokens=model.block_tokens,
+        head_dim=model.head_dim,
+        dtype=model.dtype,
+    )
+    scaling = [
+        pb.RopeScaling(name=name, text=value)
+        if isinstance(value, str)
+        else pb.RopeScaling(name=name, number=value)
+        for name, value in model.rope_scaling
+    ]
+    return pb.ModelFingerprint(
+        model_name=model.model_name,
+        layout=layout,
+        rope_theta=model.rope_theta,
+        rope_scaling=scaling,
+    )
+
+
+def block_specs(keys: Sequence[bytes], parent: bytes, num_tokens: int) -> list[pb.BlockSpec]:
+    """One spec per key of a chain: each key's parent is the key before it."""
+    parents = [parent, *keys[:-1]]
+    return [
+        pb.BlockSpec(key=k, parent=p, num_tokens=num_tokens)
+        for k, p in zip(keys, parents, strict=True)
+    ]
+
+
+def put_chunks(
+    namespace: bytes, specs: Sequence[pb.BlockSpec], blocks: Sequence[Payload], chunk_bytes: int
+) -> Iterator[pb.PutChunk]:
+    """The Put stream: namespace on the first chunk, a block's spec on its first chunk."""
+    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+    for number, (spec, block) in enumerate(zip(specs, blocks, strict=True)):
+        data = as_bytes(block.cpu() if isinstance(block, torch.Tensor) else block).numpy().data
+        for start in range(0, len(data), chunk_bytes):
+            message = pb.PutChunk(data=bytes(data[start : start + chunk_bytes]))
+            if start == 0:
+                message.block.CopyFrom(spec)
+                if number == 0:
+                    message.namespace = namespace
+            yield message
+
+
+# Answers ----------------------------------------------------------------------------------
+
+
+def server_info(reply: pb.HandshakeResponse) -> ServerInfo:
+    return ServerInfo(**{f.name: getattr(reply, f.name) for f in dataclasses.fields(ServerInfo)})
+
+
+def stats(reply: pb.StatsResponse) -> Stats:
+    tiers = tuple(
+        TierStats(**{f.name: getattr(tier, f.name) for f in dataclasses.fields(TierStats)})
+        for tier in reply.tiers
+    )
+    counters = {f.name: getattr(reply, f.name) for f in dataclasses.fields(Stats)[1:]}
+    return Stats(tiers=tiers, **counters)
+
+
+def write_statuses(values: Sequence[int], count: int) -> list[WriteStatus]:
+    """Final statuses, one per block (``ProtocolError`` on a wrong count or value)."""
+    if len(values) != count:
+        raise ProtocolError(f"expected {count} write statuses, got {len(values)}")
+    unknown = [value for value in values if value not in _WRITE_STATUSES]
+    if unknown:
+        raise ProtocolError(f"write status {unknown[0]} is not a final status")
+    return [_WRITE_STATUSES[value] for value in values]
+
+
+def check_slots(slots: Sequence[pb.Slot], count: int, size: int, arena: Arena) -> Slots:
+    """The leased slots as (offset, length), each ``size`` bytes inside the arena."""
+    if len(slots) > count:
+        raise ProtocolError(f"Acquire returned {len(slots)} slots for {count} keys")
+    return [_check_slot(slot, size, arena) for slot in slots]
+
+
+def reservations(
+    reply: pb.ReserveResponse, count: int, size: int, arena: Arena
+) -> tuple[list[int], Slots, dict[int, WriteStatus]]:
+    """(indices of reserved blocks, their slots, final statuses of the other blocks)."""
+    if len(reply.reservations) != count:
+        raise ProtocolError(f"Reserve returned {len(reply.reservations)} answers for {count}")
+    reserved: list[int] = []
+    slots: Slots = []
+    done: dict[int, WriteStatus] = {}
+    for index, answer in enumerate(reply.reservations):
+        if answer.status == pb.RESERVED:
+            reserved.append(index)
+            slots.append(_check_slot(answer.slot, size, arena))
+        else:
+            done[index] = write_statuses([answer.status], 1)[0]
+    return reserved, slots, done
+
+
+def _check_slot(slot: pb.Slot, size: int, arena: Arena) -> tuple[int, int]:
+    if slot.length != size:
+        raise ProtocolError(f"slot at {slot.offset} holds {slot.length} bytes, not {size}")
+    try:
+        arena.check(slot.offset, slot.length)
+    except ValueError as error:
+        raise ProtocolError(str(error)) from None
+    return slot.offset, slot.length
+
+
+async def assemble(
+    chunks: AsyncIterable[pb.GetChunk], count: int, size: int, out: Sequence[TargetT] | None
+) -> list[bytes] | list[TargetT]:
+    """The blocks of a Get stream, new bytes or copied into ``out``; checks their order."""
+    blocks: list[bytes] = []
+    parts: list[bytes] = []
+    done = filled = 0
+    async for chunk in chunks:
+        if chunk.index != done or done >= count:
+            raise ProtocolError(f"Get sent a chunk of block {chunk.index}, expected block {done}")
+        length = len(chunk.data)
+        if filled + length > size:
+            raise ProtocolError(f"Get sent more than {size} bytes for block {done}")
+        if out is None:
+            parts.append(chunk.data)
+        elif length:
+            as_bytes(out[done])[filled : filled + length].copy_(as_bytes(chunk.data))
+        filled += length
+        if chunk.last:
+            if filled != size:
+                raise ProtocolError(f"Get sent {filled} bytes for block {done}, not {size}")
+            if out is None:
+                blocks.append(b"".join(parts))
+            parts, filled, done = [], 0, done + 1
+    if filled or parts:
+        raise ProtocolError(f"the Get stream ended inside block {done}")
+    return blocks if out is None else list(out[:done])

@@ -1,0 +1,274 @@
+"""The async client against a real daemon, on both data planes (shm and streamed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import pytest
+import torch
+
+from kvstore.client import (
+    ROOT_KEY,
+    AsyncKVStoreClient,
+    Namespace,
+    NotConnectedError,
+    WriteStatus,
+    block_keys,
+)
+from tests.support.daemon import Daemon
+
+
+def chain(namespace: Namespace, num_blocks: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    tokens = [rng.randrange(32000) for _ in range(num_blocks * namespace.model.block_tokens)]
+    return block_keys(tokens, namespace)
+
+
+def payloads(namespace: Namespace, count: int) -> list[bytes]:
+    return [os.urandom(namespace.model.layout().payload_bytes) for _ in range(count)]
+
+
+async def test_put_lookup_get_round_trip_is_bit_exact(
+    any_client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 3), payloads(namespace, 3)
+    assert await any_client.lookup(namespace, keys) == 0  # a miss is a value
+    assert await any_client.get(namespace, keys) == []
+
+    assert await any_client.put(namespace, keys, blocks) == [WriteStatus.STORED] * 3
+
+    found = await any_client.lookup_tiers(namespace, keys)
+    assert found.num_blocks == 3
+    assert found.tiers == ("host",) * 3
+    assert await any_client.get(namespace, keys) == blocks
+
+
+async def test_a_partial_hit_returns_the_leading_blocks(
+    any_client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 4), payloads(namespace, 4)
+    await any_client.put(namespace, keys[:2], blocks[:2])
+
+    assert await any_client.lookup(namespace, keys) == 2
+    assert await any_client.get(namespace, keys) == blocks[:2]
+
+
+async def test_put_continues_a_chain_from_its_parent(
+    any_client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 4), payloads(namespace, 4)
+    await any_client.put(namespace, keys[:2], blocks[:2], parent=ROOT_KEY)
+    await any_client.put(namespace, keys[2:], blocks[2:], parent=keys[1])
+
+    assert await any_client.get(namespace, keys) == blocks
+
+
+async def test_tensors_in_and_out(any_client: AsyncKVStoreClient, namespace: Namespace) -> None:
+    model = namespace.model
+    shape = (model.num_layers, 2, model.num_kv_heads, model.block_tokens, model.head_dim)
+    keys = chain(namespace, 2)
+    blocks = [torch.randn(shape, dtype=torch.float16) for _ in keys]  # [L, 2, H, T, D]
+    await any_client.put(namespace, keys, blocks)
+
+    out = [torch.empty(shape, dtype=torch.float16) for _ in keys]
+    got = await any_client.get(namespace, keys, out=out)
+
+    assert len(got) == 2 and got[0] is out[0] and got[1] is out[1]
+    for sent, received in zip(blocks, got, strict=True):
+        assert torch.equal(sent.view(torch.int16), received.view(torch.int16))  # bit-exact
+
+
+async def test_get_into_buffers_fills_only_the_held_blocks(
+    any_client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 3), payloads(namespace, 3)
+    await any_client.put(namespace, keys[:2], blocks[:2])
+    size = namespace.model.layout().payload_bytes
+    out = [bytearray(size), memoryview(bytearray(size)), bytearray(size)]
+
+    got = await any_client.get(namespace, keys, out=out)
+
+    assert len(got) == 2
+    assert bytes(got[0]) == blocks[0] and bytes(got[1]) == blocks[1]
+    assert out[2] == bytearray(size)  # untouched
+
+
+async def test_a_block_put_by_one_client_is_found_by_another_and_deduplicated(
+    daemon: Daemon, client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 2), payloads(namespace, 2)
+    assert await client.put(namespace, keys, blocks) == [WriteStatus.STORED] * 2
+
+    for use_shm in (True, False):
+        async with AsyncKVStoreClient(daemon.address, use_shm=use_shm) as other:
+            assert await other.lookup(namespace, keys) == 2
+            assert await other.get(namespace, keys) == blocks
+            assert await other.put(namespace, keys, blocks) == [WriteStatus.DEDUP] * 2
+    stats = await client.stats()
+    assert stats.dedup_puts >= 4
+
+
+async def test_view_lends_the_arena_under_a_lease(
+    client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 3), payloads(namespace, 3)
+    await client.put(namespace, keys[:2], blocks[:2])
+
+    async with client.view(namespace, keys) as views:
+        assert [bytes(view) for view in views] == blocks[:2]
+        assert all(view.readonly for view in views)
+        assert (await client.stats()).active_leases == 1
+    assert (await client.stats()).active_leases == 0
+    with pytest.raises(ValueError, match="released"):
+        bytes(views[0])  # the views end with the lease
+
+
+async def test_view_tensors_share_the_arena(
+    any_client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 2), payloads(namespace, 2)
+    await any_client.put(namespace, keys, blocks)
+
+    async with any_client.view_tensors(namespace, keys) as tensors:
+        assert [tensor.dtype for tensor in tensors] == [torch.uint8] * 2
+        assert [bytes(tensor.numpy()) for tensor in tensors] == blocks
+    assert (await any_client.stats()).active_leases == 0
+
+
+async def test_view_on_the_stream_plane_views_downloaded_bytes(
+    stream_client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 2), payloads(namespace, 2)
+    await stream_client.put(namespace, keys, blocks)
+
+    async with stream_client.view(namespace, keys + chain(namespace, 1, seed=9)) as views:
+        assert [bytes(view) for view in views] == blocks
+
+
+async def test_a_failing_caller_inside_view_still_releases_the_lease(
+    client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 1), payloads(namespace, 1)
+    await client.put(namespace, keys, blocks)
+
+    with pytest.raises(RuntimeError, match="caller"):
+        async with client.view(namespace, keys):
+            raise RuntimeError("caller failed")
+    assert (await client.stats()).active_leases == 0
+
+
+async def test_a_cancelled_get_releases_its_lease(
+    client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    keys, blocks = chain(namespace, 8), payloads(namespace, 8)
+    await client.put(namespace, keys, blocks)
+    for _ in range(5):
+        task = asyncio.create_task(client.get(namespace, keys))
+        await asyncio.sleep(0.002)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    for _ in range(100):
+        if (await client.stats()).active_leases == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert (await client.stats()).active_leases == 0
+    assert await client.get(namespace, keys) == blocks
+
+
+async def test_delete_and_prefetch(any_client: AsyncKVStoreClient, namespace: Namespace) -> None:
+    keys, blocks = chain(namespace, 3), payloads(namespace, 3)
+    await any_client.put(namespace, keys, blocks)
+
+    assert await any_client.prefetch("session-1", namespace, [keys, keys[:1]]) >= 0
+    assert await any_client.delete(namespace, keys[2:]) == 1
+    assert await any_client.lookup(namespace, keys) == 2
+    assert await any_client.delete(namespace, keys[2:]) == 0
+
+
+async def test_stats_health_and_handshake(client: AsyncKVStoreClient) -> None:
+    stats = await client.stats()
+    assert [tier.name for tier in stats.tiers] == ["host", "ssd"]
+    assert stats.tiers[0].capacity_bytes == 32 * 2**20
+    assert await client.health() is True
+    info = client.server_info
+    assert info.chunk_bytes == 64 * 2**10
+    assert info.arena_bytes == 32 * 2**20
+    assert "shm" in repr(client)
+
+
+async def test_many_concurrent_puts_and_gets(
+    any_client: AsyncKVStoreClient, small_namespace: Namespace
+) -> None:
+    chains = [chain(small_namespace, 4, seed=seed) for seed in range(16)]
+    blocks = [payloads(small_namespace, 4) for _ in chains]
+
+    await asyncio.gather(
+        *(any_client.put(small_namespace, k, b) for k, b in zip(chains, blocks, strict=True))
+    )
+    got = await asyncio.gather(*(any_client.get(small_namespace, k) for k in chains))
+
+    assert got == blocks
+
+
+async def test_calls_before_connect_raise(daemon: Daemon, namespace: Namespace) -> None:
+    client = AsyncKVStoreClient(daemon.address)
+    assert client.data_plane == "stream"
+    with pytest.raises(NotConnectedError):
+        await client.lookup(namespace, chain(namespace, 1))
+    with pytest.raises(NotConnectedError):
+        _ = client.server_info
+    await client.aclose()  # closing an unconnected client is harmless
+
+
+async def test_arguments_are_checked_before_any_call(namespace: Namespace) -> None:
+    client = AsyncKVStoreClient("unix:/nonexistent.sock")  # never connected: no call is made
+    keys = chain(namespace, 2)
+    size = namespace.model.layout().payload_bytes
+
+    with pytest.raises(ValueError, match=r"blocks\[1\] must be .* bytes .* got 7"):
+        await client.put(namespace, keys, [bytes(size), bytes(7)])
+    with pytest.raises(ValueError, match="one block per key: 2 keys, 1 blocks"):
+        await client.put(namespace, keys, [bytes(size)])
+    with pytest.raises(ValueError, match=r"keys\[0\] must be 32 bytes"):
+        await client.put(namespace, [b"short"], [bytes(size)])
+    with pytest.raises(ValueError, match=r"parent\[0\] must be 32 bytes"):
+        await client.put(namespace, keys, [bytes(size)] * 2, parent=b"x")
+    with pytest.raises(ValueError, match="one buffer per key"):
+        await client.get(namespace, keys, out=[bytearray(size)])
+    with pytest.raises(ValueError, match=r"out\[0\] must be writable"):
+        await client.get(namespace, keys, out=[memoryview(bytes(size))] * 2)
+    with pytest.raises(ValueError, match=r"keys\[1\] must be 32 bytes"):
+        await client.lookup(namespace, [keys[0], b""])
+    assert await client.put(namespace, [], []) == []
+    assert await client.get(namespace, []) == []
+    assert await client.lookup(namespace, []) == 0
+
+
+@pytest.mark.parametrize(
+    ("address", "options"),
+    [("localhost", {}), ("unix:/x.sock", {"timeout": 0}), ("unix:/x.sock", {"retries": -1})],
+)
+def test_bad_client_options_are_refused(address: str, options: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        AsyncKVStoreClient(address, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_tensors_in_and_out(
+    any_client: AsyncKVStoreClient, namespace: Namespace
+) -> None:
+    model = namespace.model
+    shape = (model.num_layers, 2, model.num_kv_heads, model.block_tokens, model.head_dim)
+    keys = chain(namespace, 2)
+    blocks = [torch.randn(shape, dtype=torch.float16, device="cuda") for _ in keys]
+    await any_client.put(namespace, keys, blocks)
+
+    out = [torch.empty(shape, dtype=torch.float16, device="cuda") for _ in keys]
+    await any_client.get(namespace, keys, out=out)
+
+    for sent, received in zip(blocks, out, strict=True):
+        assert torch.equal(sent.view(torch.int16), received.view(torch.int16))

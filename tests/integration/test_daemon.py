@@ -1,0 +1,245 @@
+"""The daemon as engines meet it: a real `kvstore serve` process, real clients in other processes.
+
+Each scenario starts the daemon on a unix socket in a temporary directory (small host arena,
+SSD tier) and drives it with the client library, from this process and from worker processes
+(``tests/support/worker.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvstore.client import (
+    AsyncKVStoreClient,
+    InvalidArgumentError,
+    KVStoreClient,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    WriteStatus,
+    block_keys,
+)
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from tests.support.daemon import running_daemon
+from tests.support.worker import BLOCK, NAMESPACE, SHARED_TOKENS, own_tokens, payload
+
+WORKER = Path(__file__).resolve().parents[1] / "support" / "worker.py"
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+def worker(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": TESTS}
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, text=True, env=env
+    )
+
+
+def wait_for(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_two_planes_from_concurrent_processes_store_shared_blocks_once(tmp_path: Path) -> None:
+    with running_daemon(tmp_path) as daemon:
+        plan = [("alice", "shm"), ("bob", "shm"), ("carol", "stream"), ("dave", "stream")]
+        procs = [worker("roundtrip", daemon.address, name, plane) for name, plane in plan]
+        reports = [json.loads(proc.communicate(timeout=120)[0]) for proc in procs]
+        assert all(proc.returncode == 0 for proc in procs)
+        assert [r["plane"] for r in reports] == [plane for _, plane in plan]
+        for report in reports:
+            assert report["held"] == 12 and report["exact"] == [True] * 12
+        # Every shared block was stored by exactly one process; the others were told DEDUP.
+        for index in range(8):
+            column = sorted(r["statuses"][index] for r in reports)
+            assert column == ["DEDUP", "DEDUP", "DEDUP", "STORED"]
+        with KVStoreClient(daemon.address) as client:
+            stats = client.stats()
+            assert stats.blocks == 8 + 4 * 4
+            host = next(t for t in stats.tiers if t.name == "host")
+            assert host.usage_bytes == stats.blocks * BLOCK
+            # Another client finds the shared chain by key alone.
+            shared = block_keys(SHARED_TOKENS, NAMESPACE)
+            assert client.lookup(NAMESPACE, shared) == 8
+
+
+def test_killed_client_leases_and_reservations_expire(tmp_path: Path) -> None:
+    settings = {"server": {"lease_ttl": "1s"}}
+    with running_daemon(tmp_path, settings=settings) as daemon:
+        holder = worker("hold", daemon.address)
+        assert holder.stdout is not None
+        report = json.loads(holder.stdout.readline())
+        assert report == {"lease_slots": 2, "reserved": 2}
+        keys = block_keys(own_tokens("holder", 4), NAMESPACE)[8:]
+        with KVStoreClient(daemon.address) as client:
+            stats = client.stats()
+            assert (stats.active_leases, stats.active_reservations) == (1, 1 * 2)
+            assert next(t for t in stats.tiers if t.name == "host").usage_bytes == 4 * BLOCK
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+            # After the lease lifetime the daemon takes everything back by itself.
+            wait_for(lambda: client.stats().active_reservations == 0)
+            wait_for(lambda: client.stats().active_leases == 0)
+            host = next(t for t in client.stats().tiers if t.name == "host")
+            assert host.usage_bytes == 2 * BLOCK
+            # The half-written reservation never became a block.
+            assert client.get(NAMESPACE, keys[2:]) == []
+            assert [bytes(b) for b in client.get(NAMESPACE, keys[:2])] == [
+                payload(k) for k in keys[:2]
+            ]
+
+
+def test_sigterm_flushes_write_back_blocks_to_ssd(tmp_path: Path) -> None:
+    with running_daemon(tmp_path, settings={"ssd": {"write_policy": "write_back"}}) as daemon:
+        keys = block_keys(own_tokens("flush", 6), NAMESPACE)
+        with KVStoreClient(daemon.address) as client:
+            client.put(NAMESPACE, keys, [payload(k) for k in keys])
+            assert set(client.lookup_tiers(NAMESPACE, keys).tiers) == {"host"}
+        assert daemon.stop() == 0
+        assert not daemon.socket_path.exists()
+        daemon.start()
+        with KVStoreClient(daemon.address) as client:
+            held = client.lookup_tiers(NAMESPACE, keys)
+            assert held.num_blocks == len(keys) and set(held.tiers) == {"ssd"}
+            blocks = client.get(NAMESPACE, keys)
+            assert [bytes(b) for b in blocks] == [payload(k) for k in keys]
+
+
+def test_sigkill_mid_write_never_serves_a_corrupt_block(tmp_path: Path) -> None:
+    settings = {"ssd": {"write_policy": "write_through", "fsync": True}}
+    with running_daemon(tmp_path, settings=settings) as daemon:
+        chains = [block_keys(own_tokens(f"writer{i}", 8), NAMESPACE) for i in range(4)]
+
+        async def writer(keys: list[bytes]) -> None:
+            async with AsyncKVStoreClient(daemon.address, retries=0) as client:
+                for start in range(0, len(keys), 2):
+                    part = keys[start : start + 2]
+                    parent = keys[start - 1] if start else keys[0]
+                    await client.put(NAMESPACE, part, [payload(k) for k in part], parent=parent)
+
+        async def write_then_kill() -> None:
+            tasks = [asyncio.create_task(writer(keys)) for keys in chains]
+            await asyncio.sleep(0.5)
+            daemon.kill()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(write_then_kill())
+        # Damage one block file on disk too: a flipped byte must read as a miss, never as data.
+        files = sorted((tmp_path / "ssd").rglob("*.blk"))
+        if files:
+            data = bytearray(files[0].read_bytes())
+            data[-50] ^= 0xFF
+            files[0].write_bytes(bytes(data))
+        daemon.start()
+        served = 0
+        with KVStoreClient(daemon.address) as client:
+            for keys in chains:
+                for key in keys:
+                    blocks = client.get(NAMESPACE, [key])
+                    if blocks:
+                        assert bytes(blocks[0]) == payload(key)
+                        served += 1
+        assert served > 0
+
+
+def test_bad_requests_get_status_codes_and_the_daemon_keeps_serving(tmp_path: Path) -> None:
+    with running_daemon(tmp_path, tokens=["good:tests", "other:intruder"]) as daemon:
+        keys = block_keys(own_tokens("bad", 2), NAMESPACE)
+        with KVStoreClient(daemon.address, token="good") as client:
+            with pytest.raises(ValueError, match=r"keys\[1\] must be 32 bytes"):
+                client.lookup(NAMESPACE, [keys[0], b"short"])
+            with pytest.raises(ValueError, match="blocks"):
+                client.put(NAMESPACE, keys[:1], [b"x" * 10])
+            assert client.put(NAMESPACE, keys, [payload(k) for k in keys]) == [
+                WriteStatus.STORED
+            ] * len(keys)
+        with (
+            pytest.raises(UnauthenticatedError, match="bearer token"),
+            KVStoreClient(daemon.address, token="wrong") as client,
+        ):
+            client.lookup(NAMESPACE, keys)
+        with pytest.raises(UnauthenticatedError), KVStoreClient(daemon.address) as client:
+            client.stats()
+        with (
+            KVStoreClient(daemon.address, token="other") as client,
+            pytest.raises(PermissionDeniedError, match="tenant"),
+        ):
+            client.lookup(NAMESPACE, keys)
+        # Malformed requests that bypass the client's own checks are refused by the daemon.
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            auth = (("authorization", "Bearer good"),)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Lookup(pb.LookupRequest(namespace=b"n" * 32, keys=[b"k" * 32]), metadata=auth)
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "namespace" in error.value.details()
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Lookup(pb.LookupRequest(namespace=b"n" * 5), metadata=auth)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            huge = pb.LookupRequest(namespace=b"n" * 32, keys=[b"k" * 32] * 400_000)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Lookup(huge, metadata=auth)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with KVStoreClient(daemon.address, token="good") as client:
+            assert client.lookup(NAMESPACE, keys) == len(keys)  # still serving
+            assert issubclass(ResourceExhaustedError, Exception)
+            assert issubclass(InvalidArgumentError, Exception)
+
+
+def test_32_concurrent_clients_mixed_operations_leave_no_leaks(tmp_path: Path) -> None:
+    with running_daemon(tmp_path, host_capacity="16MiB") as daemon:
+
+        async def client_loop(index: int, deadline: float) -> int:
+            rng = random.Random(index)
+            operations = 0
+            async with AsyncKVStoreClient(daemon.address, use_shm=index % 4 != 0) as client:
+                while time.monotonic() < deadline:
+                    keys = block_keys(own_tokens(f"c{index}-{rng.randrange(3)}", 2), NAMESPACE)
+                    action = rng.choice(["put", "get", "lookup", "view"])
+                    if action == "put":
+                        await client.put(NAMESPACE, keys, [payload(k) for k in keys])
+                    elif action == "get":
+                        for key, block in zip(
+                            keys, await client.get(NAMESPACE, keys), strict=False
+                        ):
+                            assert bytes(block) == payload(key)
+                    elif action == "view":
+                        async with client.view(NAMESPACE, keys) as views:
+                            for key, view in zip(keys, views, strict=False):
+                                assert bytes(view) == payload(key)
+                    else:
+                        await client.lookup(NAMESPACE, keys)
+                    operations += 1
+            return operations
+
+        async def run() -> list[int]:
+            deadline = time.monotonic() + 8.0
+            return await asyncio.gather(*(client_loop(i, deadline) for i in range(32)))
+
+        counts = asyncio.run(run())
+        assert min(counts) > 0
+        with KVStoreClient(daemon.address) as client:
+            stats = client.stats()
+            assert stats.active_leases == 0 and stats.active_reservations == 0
+            host = next(t for t in stats.tiers if t.name == "host")
+            assert host.usage_bytes == host.blocks * BLOCK
+            assert stats.puts + stats.dedup_puts >= stats.blocks
+            # Delete everything: the arena returns to its baseline (empty).
+            shared = block_keys(SHARED_TOKENS, NAMESPACE)
+            deleted = client.delete(NAMESPACE, shared[:1])
+            assert deleted == stats.blocks  # every chain hangs off the shared first block
+            host = next(t for t in client.stats().tiers if t.name == "host")
+            assert host.usage_bytes == 0 and client.stats().blocks == 0

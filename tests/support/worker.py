@@ -1,0 +1,89 @@
+"""A client process for integration tests: ``python worker.py MODE ADDRESS [ARGS...]``.
+
+Modes:
+
+- ``roundtrip ADDRESS NAME SHM``: puts the shared chain and a chain of its own, reads both
+  back through the chosen data plane, and prints a JSON report (statuses, bit-exactness).
+- ``hold ADDRESS``: puts two blocks, leases them, reserves two more and half-writes one,
+  prints ``ready`` and sleeps, so a test can SIGKILL it while it holds all of that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import sys
+import time
+
+import grpc
+
+from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.client.wire import block_specs, fingerprint_message
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+
+MODEL = ModelFingerprint(
+    "tiny-test", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16
+)
+NAMESPACE = Namespace(MODEL, tenant="tests")
+BLOCK = MODEL.layout().payload_bytes
+SHARED_TOKENS = list(range(1000, 1000 + 8 * 16))  # 8 blocks every worker shares
+
+
+def payload(key: bytes) -> bytes:
+    """The bytes stored under ``key``: derived from it, so anyone can check them."""
+    return hashlib.shake_256(key).digest(BLOCK)
+
+
+def own_tokens(name: str, count: int = 4) -> list[int]:
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "little")
+    return SHARED_TOKENS + [seed * 7 + i for i in range(count * 16)]
+
+
+def roundtrip(address: str, name: str, use_shm: bool) -> dict[str, object]:
+    keys = block_keys(own_tokens(name), NAMESPACE)
+    with KVStoreClient(address, use_shm=use_shm) as client:
+        statuses = client.put(NAMESPACE, keys, [payload(k) for k in keys])
+        held = client.lookup(NAMESPACE, keys)
+        blocks = client.get(NAMESPACE, keys)
+        plane = client.data_plane
+    return {
+        "plane": plane,
+        "statuses": [s.name for s in statuses],
+        "held": held,
+        "exact": [bytes(b) == payload(k) for k, b in zip(keys, blocks, strict=False)],
+    }
+
+
+def hold(address: str) -> None:
+    keys = block_keys(own_tokens("holder", 4), NAMESPACE)[8:]  # 4 blocks after the shared ones
+    with KVStoreClient(address) as client:
+        parent = block_keys(SHARED_TOKENS, NAMESPACE)[-1]
+        client.put(NAMESPACE, keys[:2], [payload(k) for k in keys[:2]], parent=parent)
+    channel = grpc.insecure_channel(address)
+    stub = kvstore_pb2_grpc.KVStoreStub(channel)
+    info = stub.Handshake(pb.HandshakeRequest())
+    ns = stub.RegisterNamespace(
+        pb.RegisterNamespaceRequest(model=fingerprint_message(MODEL), tenant="tests")
+    ).namespace
+    acquired = stub.Acquire(pb.AcquireRequest(namespace=ns, keys=keys[:2]))
+    specs = block_specs(keys[2:], keys[1], MODEL.block_tokens)
+    reserved = stub.Reserve(pb.ReserveRequest(namespace=ns, blocks=specs))
+    with open(info.arena_path, "r+b") as handle:
+        arena = mmap.mmap(handle.fileno(), info.arena_bytes)
+        slot = reserved.reservations[0].slot
+        arena[slot.offset : slot.offset + BLOCK // 2] = payload(keys[2])[: BLOCK // 2]
+        report = {"lease_slots": len(acquired.slots), "reserved": len(reserved.reservations)}
+        print(json.dumps(report), flush=True)
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    mode, address = sys.argv[1], sys.argv[2]
+    if mode == "roundtrip":
+        print(json.dumps(roundtrip(address, sys.argv[3], sys.argv[4] == "shm")), flush=True)
+    elif mode == "hold":
+        hold(address)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
