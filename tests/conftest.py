@@ -1,6 +1,17 @@
-"""Session-wide fixtures: a real redis-server process on a free port."""
+"""Session-wide fixtures: a real redis-server process on a free port.
+
+Without CUDA, Triton kernels run on the CPU through the Triton interpreter, which must be
+chosen before anything imports triton: this file is loaded first, so it sets it here.
+"""
 
 from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import shutil
 import socket

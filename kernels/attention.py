@@ -1,0 +1,378 @@
+"""Prefill attention over a paged KV cache with a cached prefix.
+
+A batch holds sequences of different lengths. Sequence b has ``seq_lens[b]`` tokens of KV in
+the cache (its cached prefix followed by its new tokens: the caller writes the new tokens'
+K/V into the cache first, ``kvstore.kernels.paged.write_tokens``) and ``q_len_b =
+cu_seqlens_q[b + 1] - cu_seqlens_q[b]`` new queries packed in ``q``. New query i sits at
+position ``seq_lens[b] - q_len_b + i`` and attends causally to keys ``0 ..`` that position.
+Query heads are a multiple of KV heads (GQA): query head h reads KV head
+``h // (num_heads // num_kv_heads)``.
+
+::
+
+    q:            [num_tokens, num_heads, head_dim]          new tokens of all sequences
+    k_cache:      [num_pages, page_tokens, num_kv_heads, head_dim]
+    v_cache:      [num_pages, page_tokens, num_kv_heads, head_dim]
+    cu_seqlens_q: [batch + 1] int32, cu_seqlens_q[0] = 0
+    seq_lens:     [batch] int32, >= each sequence's query count and >= 1 where it has queries
+    block_tables: [batch, max_pages] int32
+    -> out:       [num_tokens, num_heads, head_dim], q's dtype
+
+``prefill_attention_triton`` is one flash-attention style kernel (online softmax in float32,
+one program per query tile, sequence and query head). ``prefill_attention_reference`` is the
+torch version: per sequence, gather the pages densely and run a masked softmax in float32.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvstore.kernels._checks import (
+    FLOAT_DTYPES,
+    check_head_dim,
+    check_scale,
+    check_size,
+    check_tensor,
+)
+from kvstore.kernels.paged import check_caches, gather_tokens
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def attend_pages(  # type: ignore[no-untyped-def]
+    acc,  # [ROWS, HEAD_DIM] float32 running output
+    l_i,  # [ROWS] running sum of exp2
+    m_i,  # [ROWS] running max, log2 domain
+    q,  # [ROWS, HEAD_DIM]
+    q_positions,  # [ROWS] a query sees keys at positions <= its own
+    k_ptr,  # [num_pages, page_tokens, num_kv_heads, HEAD_DIM]
+    v_ptr,  # [num_pages, page_tokens, num_kv_heads, HEAD_DIM], k_ptr's strides
+    table,  # this sequence's row of block_tables, [max_pages] int32
+    head_offset,  # kv_head * stride_head
+    stride_page,
+    stride_token,
+    page_tokens,
+    start,
+    end,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold keys ``start .. end - 1`` of one sequence into a running softmax (flash
+    attention, one KV head); returns the updated acc, l_i, m_i."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in range(start, end, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        pages = tl.load(table + keys // page_tokens, mask=key_ok, other=0).to(tl.int64)
+        rows = pages * stride_page + (keys % page_tokens) * stride_token + head_offset
+        k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = key_ok[None, :] & (keys[None, :] <= q_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,  # [num_tokens, num_heads, HEAD_DIM]
+    k_ptr,  # [num_pages, page_tokens, num_kv_heads, HEAD_DIM]
+    v_ptr,  # [num_pages, page_tokens, num_kv_heads, HEAD_DIM], k_ptr's strides
+    out_ptr,  # [num_tokens, num_heads, HEAD_DIM] contiguous
+    cu_seqlens_q_ptr,  # [batch + 1] int32
+    seq_lens_ptr,  # [batch] int32
+    block_tables_ptr,  # [batch, max_pages] int32
+    scale_log2,  # softmax scale * log2(e)
+    q_stride_token,
+    q_stride_head,
+    out_stride_token,
+    cache_stride_page,
+    cache_stride_token,
+    cache_stride_head,
+    table_stride,
+    page_tokens,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    q_positions = seq_len - q_len + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + rows).to(tl.int64) * q_stride_token + head * q_stride_head
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    table = block_tables_ptr + seq.to(tl.int64) * table_stride
+    head_offset = (head // GROUP).to(tl.int64) * cache_stride_head
+    # Causal: no query of this tile sees past its last position. Key 0 is visible to every
+    # row, so the running max is finite after the first key block.
+    end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+    acc, l_i, _ = attend_pages(
+        tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
+        tl.zeros([BLOCK_M], tl.float32),
+        tl.full([BLOCK_M], float("-inf"), tl.float32),
+        q,
+        q_positions,
+        k_ptr,
+        v_ptr,
+        table,
+        head_offset,
+        cache_stride_page,
+        cache_stride_token,
+        page_tokens,
+        0,
+        end,
+        scale_log2,
+        BLOCK_N,
+        HEAD_DIM,
+        DOT_FP32,
+        DOT_PRECISION,
+    )
+    out = acc / l_i[:, None]
+    out_rows = (q_start + rows).to(tl.int64) * out_stride_token + head * HEAD_DIM
+    tl.store(
+        out_ptr + out_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    q_shape: str,
+    batch: int,
+    scale: float | None,
+) -> float:
+    """Checks shared by prefill and decode; returns the softmax scale.
+
+    Raises:
+        ValueError: Naming the first offending argument.
+    """
+    check_tensor("q", q, shape=q_shape, dtypes=FLOAT_DTYPES, contiguous_dims=1)
+    check_caches(k_cache, v_cache, dtype=q.dtype, device=q.device)
+    num_heads, head_dim = q.shape[1:]
+    check_head_dim("q", head_dim)
+    check_size("k_cache", k_cache, 3, head_dim, "q's head_dim")
+    if num_heads % k_cache.size(2):
+        raise ValueError(
+            f"q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads "
+            f"({k_cache.size(2)})"
+        )
+    check_tensor("seq_lens", seq_lens, shape="[batch]", dtypes=(torch.int32,), device=q.device)
+    check_size("seq_lens", seq_lens, 0, batch, "batch")
+    check_tensor(
+        "block_tables",
+        block_tables,
+        shape="[batch, max_pages]",
+        dtypes=(torch.int32,),
+        device=q.device,
+        contiguous_dims=1,
+    )
+    check_size("block_tables", block_tables, 0, batch, "batch")
+    return check_scale(scale, head_dim)
+
+
+def _check_prefill_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float | None,
+) -> float:
+    check_tensor(
+        "cu_seqlens_q", cu_seqlens_q, shape="[batch + 1]", dtypes=(torch.int32,), device=q.device
+    )
+    if cu_seqlens_q.numel() < 1:
+        raise ValueError("cu_seqlens_q must hold batch + 1 >= 1 offsets, got none")
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
+    batch = cu_seqlens_q.numel() - 1
+    shape = "[num_tokens, num_heads, head_dim]"
+    return check_attention_args(
+        q, k_cache, v_cache, seq_lens, block_tables, q_shape=shape, batch=batch, scale=scale
+    )
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Triton: causal attention of new tokens over their cached prefix and themselves.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``, float16, bfloat16 or float32.
+        k_cache: ``[num_pages, page_tokens, num_kv_heads, head_dim]``, q's dtype and device;
+            already holds the new tokens' K.
+        v_cache: Same, V.
+        cu_seqlens_q: ``[batch + 1]`` int32 offsets of each sequence's queries in ``q``.
+        seq_lens: ``[batch]`` int32 tokens of KV per sequence, prefix plus new.
+        block_tables: ``[batch, max_pages]`` int32 pages of each sequence.
+        max_query_len: The largest query count of any sequence (sizes the grid; a sequence
+            with more queries gets unwritten output rows).
+        scale: Softmax scale, ``1/sqrt(head_dim)`` when None.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        ValueError: An argument has the wrong shape, dtype, layout or device.
+    """
+    scale = _check_prefill_args(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len, scale
+    )
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    batch = seq_lens.numel()
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+        return out
+    block_m, block_n = tile_sizes(q)
+    grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+    _prefill_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        *k_cache.stride()[:3],
+        block_tables.stride(0),
+        k_cache.size(1),
+        GROUP=num_heads // k_cache.size(2),
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        **dot_options(q),
+    )
+    return out
+
+
+def dot_options(q: torch.Tensor) -> dict[str, bool | str | None]:
+    """How the attention kernels call ``tl.dot`` for q's dtype and device.
+
+    float32 multiplies in full precision (no TF32 rounding). The Triton interpreter
+    multiplies bfloat16 operands as their raw 16-bit patterns, so off CUDA they are widened
+    to float32 first; on CUDA they stay bfloat16 for the tensor cores.
+    """
+    widen = q.dtype == torch.bfloat16 and not q.is_cuda
+    precise = q.dtype == torch.float32 or widen
+    return {"DOT_FP32": widen, "DOT_PRECISION": "ieee" if precise else None}
+
+
+def tile_sizes(q: torch.Tensor) -> tuple[int, int]:
+    """(queries, keys) per tile. Small under the interpreter (quick, and the tests reach
+    several tiles); halved for float32 on CUDA so pipelined K/V tiles fit shared memory."""
+    if not q.is_cuda:
+        return 16, 16
+    return (32, 32) if q.dtype == torch.float32 else (64, 64)
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Torch reference of ``prefill_attention_triton`` (same arguments, same result).
+
+    Reads the lengths on the host, so it also checks them: a sequence with more queries than
+    KV tokens, or more tokens than its pages hold, raises ValueError.
+    """
+    scale = _check_prefill_args(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len, scale
+    )
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    offsets, lengths = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for seq, ((q_start, q_end), seq_len) in enumerate(
+        zip(itertools.pairwise(offsets), lengths, strict=True)
+    ):
+        if not 0 <= q_end - q_start <= seq_len:
+            raise ValueError(
+                f"sequence {seq}: {q_end - q_start} queries need 0..seq_len ({seq_len}) of them"
+            )
+        if q_end == q_start:
+            continue
+        keys = gather_tokens(k_cache, block_tables[seq], seq_len)
+        values = gather_tokens(v_cache, block_tables[seq], seq_len)
+        out[q_start:q_end] = attend(q[q_start:q_end], keys, values, scale)
+    return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense causal GQA attention of the last ``len(q)`` positions, in float32.
+
+    Args:
+        q: ``[num_queries, num_heads, head_dim]``, the queries of positions
+            ``len(k) - num_queries ..``.
+        k: ``[num_keys, num_kv_heads, head_dim]``.
+        v: ``[num_keys, num_kv_heads, head_dim]``.
+        scale: Softmax scale.
+
+    Returns:
+        ``[num_queries, num_heads, head_dim]`` in q's dtype.
+    """
+    num_queries, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    # Query heads grouped under their KV head: [num_queries, num_kv_heads, group, head_dim].
+    grouped = q.float().view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("qhgd,khd->hgqk", grouped, k.float()) * scale
+    visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device)
+    visible = visible.tril(num_keys - num_queries)
+    probs = scores.masked_fill(~visible, -math.inf).softmax(dim=-1)
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
+    return out.reshape(num_queries, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,312 @@
+"""Fused copy + RoPE between the store's staging buffer and the paged pool.
+
+The store keeps K before RoPE (position-decoupled), the pool holds it after. Two directions,
+one kernel (``_copy_blocks_kernel``, ``SAVE`` picks the direction):
+
+- ``load_blocks``: staging -> pool. V is copied; K is rotated to ``positions``, the positions
+  the tokens occupy *now* (a truncated context shifts them).
+- ``save_blocks``: pool -> staging. V is copied; K is un-rotated from ``positions``, the
+  positions the tokens were rotated to, so the staging buffer holds pre-RoPE K.
+
+With ``rope=None`` both are plain copies. Layouts (see ``kvstore.kernels.paged``)::
+
+    staging:      [num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]
+    kv_pool:      [num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]
+    slot_mapping: [num_blocks, block_tokens] int64, the pool slot of each token, -1 to skip
+    positions:    [num_blocks, block_tokens] int32/int64, each < rope.max_positions
+
+Slots must be distinct. The torch references (``*_reference``) do the same float32
+arithmetic in the same order, so the Triton kernels match them bit for bit; bfloat16 results
+are rounded to nearest-even by hand because the Triton interpreter truncates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvstore.kernels._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_head_dim,
+    check_size,
+    check_tensor,
+)
+from kvstore.kernels.paged import POOL_SHAPE
+from kvstore.kernels.rope import RopeTables, apply_rope
+
+STAGING_SHAPE = "[num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]"
+TOKENS_SHAPE = "[num_blocks, block_tokens]"
+MAX_BLOCK_T = 64
+
+
+@triton.jit
+def _round_to_bf16(x):  # type: ignore[no-untyped-def]
+    # float32 -> bfloat16, round to nearest even, done on the bits.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
+    staging_ptr,  # [num_blocks, num_layers, 2, num_kv_heads, block_tokens, HEAD_DIM]
+    pool_ptr,  # [num_layers, 2, num_pages, page_tokens, num_kv_heads, HEAD_DIM]
+    slots_ptr,  # [num_blocks, block_tokens] int64
+    positions_ptr,  # [num_blocks, block_tokens] int
+    cos_ptr,  # [max_positions, HEAD_DIM // 2] float32
+    sin_ptr,  # [max_positions, HEAD_DIM // 2] float32
+    staging_stride_block,
+    staging_stride_layer,
+    staging_stride_kv,
+    pool_stride_layer,
+    pool_stride_kv,
+    pool_stride_page,
+    block_tokens,
+    page_tokens,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr,
+    SAVE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    tiles = tl.cdiv(block_tokens, BLOCK_T)
+    block = (tl.program_id(0) // tiles).to(tl.int64)
+    tokens = (tl.program_id(0) % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+    layer = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2).to(tl.int64)
+
+    in_block = tokens < block_tokens
+    token_index = block * block_tokens + tokens
+    slots = tl.load(slots_ptr + token_index, mask=in_block, other=-1).to(tl.int64)
+    valid = in_block & (slots >= 0)
+    mask = valid[:, None]
+    staging_rows = (
+        block * staging_stride_block
+        + layer * staging_stride_layer
+        + (head * block_tokens + tokens) * HEAD_DIM
+    )
+    pool_rows = (
+        layer * pool_stride_layer
+        + (slots // page_tokens) * pool_stride_page
+        + ((slots % page_tokens) * num_kv_heads + head) * HEAD_DIM
+    )
+    if SAVE:
+        src_k = pool_ptr + pool_rows
+        src_v = src_k + pool_stride_kv
+        dst_k = staging_ptr + staging_rows
+        dst_v = dst_k + staging_stride_kv
+    else:
+        src_k = staging_ptr + staging_rows
+        src_v = src_k + staging_stride_kv
+        dst_k = pool_ptr + pool_rows
+        dst_v = dst_k + pool_stride_kv
+
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(dst_v[:, None] + dims, tl.load(src_v[:, None] + dims, mask=mask), mask=mask)
+    if ROTATE:
+        half = tl.arange(0, HEAD_DIM // 2)[None, :]
+        positions = tl.load(positions_ptr + token_index, mask=valid, other=0).to(tl.int64)
+        table = positions[:, None] * (HEAD_DIM // 2) + half
+        cos = tl.load(cos_ptr + table, mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
+        if SAVE:
+            sin = -sin
+        x1 = tl.load(src_k[:, None] + half, mask=mask).to(tl.float32)
+        x2 = tl.load(src_k[:, None] + HEAD_DIM // 2 + half, mask=mask).to(tl.float32)
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        if ROUND_BF16:
+            y1 = _round_to_bf16(y1)
+            y2 = _round_to_bf16(y2)
+        out_type = dst_k.dtype.element_ty
+        tl.store(dst_k[:, None] + half, y1.to(out_type), mask=mask)
+        tl.store(dst_k[:, None] + HEAD_DIM // 2 + half, y2.to(out_type), mask=mask)
+    else:
+        tl.store(dst_k[:, None] + dims, tl.load(src_k[:, None] + dims, mask=mask), mask=mask)
+
+
+def _check_copy_args(
+    staging: torch.Tensor,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    rope: RopeTables | None,
+) -> None:
+    check_tensor("kv_pool", kv_pool, shape=POOL_SHAPE, dtypes=FLOAT_DTYPES, contiguous_dims=3)
+    device = kv_pool.device
+    check_tensor(
+        "staging",
+        staging,
+        shape=STAGING_SHAPE,
+        dtypes=(kv_pool.dtype,),
+        device=device,
+        contiguous_dims=3,
+    )
+    check_size("kv_pool", kv_pool, 1, 2, "2 (k|v)")
+    check_size("staging", staging, 2, 2, "2 (k|v)")
+    check_size("staging", staging, 1, kv_pool.size(0), "kv_pool's num_layers")
+    check_size("staging", staging, 3, kv_pool.size(4), "kv_pool's num_kv_heads")
+    check_size("staging", staging, 5, kv_pool.size(5), "kv_pool's head_dim")
+    check_head_dim("kv_pool", kv_pool.size(5))
+    check_tensor(
+        "slot_mapping",
+        slot_mapping,
+        shape=TOKENS_SHAPE,
+        dtypes=(torch.int64,),
+        device=device,
+        contiguous_dims=2,
+    )
+    check_size("slot_mapping", slot_mapping, 0, staging.size(0), "staging's num_blocks")
+    check_size("slot_mapping", slot_mapping, 1, staging.size(4), "staging's block_tokens")
+    if (positions is None) != (rope is None):
+        raise ValueError("positions and rope must be given together (or both left None)")
+    if positions is None or rope is None:
+        return
+    check_tensor(
+        "positions",
+        positions,
+        shape=TOKENS_SHAPE,
+        dtypes=INDEX_DTYPES,
+        device=device,
+        contiguous_dims=2,
+    )
+    check_size("positions", positions, 0, staging.size(0), "staging's num_blocks")
+    check_size("positions", positions, 1, staging.size(4), "staging's block_tokens")
+    if rope.head_dim != kv_pool.size(5) or rope.cos.device != device:
+        raise ValueError(
+            f"rope tables (head_dim {rope.head_dim}, {rope.cos.device}) must match kv_pool "
+            f"(head_dim {kv_pool.size(5)}, {device})"
+        )
+
+
+def _copy_blocks_triton(
+    staging: torch.Tensor,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    rope: RopeTables | None,
+    *,
+    save: bool,
+) -> None:
+    _check_copy_args(staging, kv_pool, slot_mapping, positions, rope)
+    num_blocks, num_layers, _, num_kv_heads, block_tokens, head_dim = staging.shape
+    if num_blocks == 0:
+        return
+    block_t = min(MAX_BLOCK_T, triton.next_power_of_2(block_tokens))
+    grid = (num_blocks * triton.cdiv(block_tokens, block_t), num_layers, num_kv_heads)
+    # Without rope the kernel never reads these; any valid pointer will do.
+    table = rope.cos if rope is not None else slot_mapping
+    _copy_blocks_kernel[grid](
+        staging,
+        kv_pool,
+        slot_mapping,
+        positions if positions is not None else slot_mapping,
+        table,
+        rope.sin if rope is not None else slot_mapping,
+        staging.stride(0),
+        staging.stride(1),
+        staging.stride(2),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        kv_pool.stride(2),
+        block_tokens,
+        kv_pool.size(3),
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_T=block_t,
+        ROTATE=rope is not None,
+        SAVE=save,
+        ROUND_BF16=kv_pool.dtype == torch.bfloat16,
+        # No fused multiply-add: the torch reference rounds every product, so must we.
+        enable_fp_fusion=False,
+    )
+
+
+def load_blocks_triton(
+    staging: torch.Tensor,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    rope: RopeTables | None = None,
+) -> None:
+    """Triton: copy staged blocks into pool slots, rotating K to ``positions``.
+
+    Args:
+        staging: ``[num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]``,
+            K before RoPE.
+        kv_pool: ``[num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]``,
+            written in place.
+        slot_mapping: ``[num_blocks, block_tokens]`` int64, distinct slots, -1 to skip.
+        positions: ``[num_blocks, block_tokens]`` int, where each token now sits.
+        rope: cos/sin tables; None for a plain copy (then ``positions`` must be None too).
+
+    Raises:
+        ValueError: A tensor has the wrong shape, dtype, layout or device.
+    """
+    _copy_blocks_triton(staging, kv_pool, slot_mapping, positions, rope, save=False)
+
+
+def save_blocks_triton(
+    kv_pool: torch.Tensor,
+    staging: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    rope: RopeTables | None = None,
+) -> None:
+    """Triton: gather pool slots into staged blocks, un-rotating K from ``positions``.
+
+    Arguments as ``load_blocks_triton``; ``staging`` is written in place (rows whose slot
+    is -1 are left as they were) and ends up holding K before RoPE.
+    """
+    _copy_blocks_triton(staging, kv_pool, slot_mapping, positions, rope, save=True)
+
+
+def _copy_blocks_reference(
+    staging: torch.Tensor,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    rope: RopeTables | None,
+    *,
+    save: bool,
+) -> None:
+    _check_copy_args(staging, kv_pool, slot_mapping, positions, rope)
+    blocks, tokens = (slot_mapping >= 0).nonzero(as_tuple=True)
+    slots = slot_mapping[blocks, tokens]
+    pages, rows = slots // kv_pool.size(3), slots % kv_pool.size(3)
+    if save:
+        kv = kv_pool[:, :, pages, rows]  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
+    else:
+        kv = staging[blocks, :, :, :, tokens].permute(1, 2, 0, 3, 4)
+    if positions is not None and rope is not None:
+        token_positions = positions[blocks, tokens][None, :, None]
+        kv[:, 0] = apply_rope(kv[:, 0], token_positions, rope, inverse=save)
+    if save:
+        staging[blocks, :, :, :, tokens] = kv.permute(2, 0, 1, 3, 4)
+    else:
+        kv_pool[:, :, pages, rows] = kv
+
+
+def load_blocks_reference(
+    staging: torch.Tensor,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    rope: RopeTables | None = None,
+) -> None:
+    """Torch reference of ``load_blocks_triton`` (same arguments, same results)."""
+    _copy_blocks_reference(staging, kv_pool, slot_mapping, positions, rope, save=False)
+
+
+def save_blocks_reference(
+    kv_pool: torch.Tensor,
+    staging: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    rope: RopeTables | None = None,
+) -> None:
+    """Torch reference of ``save_blocks_triton`` (same arguments, same results)."""
+    _copy_blocks_reference(staging, kv_pool, slot_mapping, positions, rope, save=True)

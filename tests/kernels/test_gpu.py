@@ -1,0 +1,92 @@
+"""The kernel checks again on CUDA at realistic sizes (Llama-3-8B-like heads, long contexts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.kernels.attention import prefill_attention_reference, prefill_attention_triton
+from kvstore.kernels.copy import (
+    load_blocks_reference,
+    load_blocks_triton,
+    save_blocks_reference,
+    save_blocks_triton,
+)
+from kvstore.kernels.decode import decode_attention_reference, decode_attention_triton
+from kvstore.kernels.rope import Llama3Scaling, RopeConfig, rope_tables
+from tests.kernels.cases import EACH_DTYPE, TOLERANCES, paged_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+CUDA = torch.device("cuda")
+NUM_HEADS, NUM_KV_HEADS = 32, 8
+
+
+@EACH_DTYPE
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_with_long_cached_prefixes(head_dim: int, dtype: torch.dtype) -> None:
+    batch = paged_batch(
+        q_lens=[512, 1, 300, 1024],
+        seq_lens=[2048, 3001, 300, 1724],
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        page_tokens=16,
+        dtype=dtype,
+        device=CUDA,
+    )
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens)
+    kwargs = {"max_query_len": batch.max_query_len}
+    expected = prefill_attention_reference(*args, batch.block_tables, **kwargs)
+    out = prefill_attention_triton(*args, batch.block_tables, **kwargs)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
+
+
+@EACH_DTYPE
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_over_long_contexts(num_splits: int | None, dtype: torch.dtype) -> None:
+    seq_lens = torch.randint(1, 4096, (16,), generator=torch.Generator().manual_seed(0))
+    batch = paged_batch(
+        q_lens=[1] * 16,
+        seq_lens=seq_lens.tolist(),
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=128,
+        page_tokens=16,
+        dtype=dtype,
+        device=CUDA,
+    )
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables)
+    expected = decode_attention_reference(*args)
+    out = decode_attention_triton(*args, num_splits=num_splits)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
+
+
+@EACH_DTYPE
+def test_copy_rope_of_full_blocks_is_bit_exact(dtype: torch.dtype) -> None:
+    """Eight 256-token blocks of a 32-layer model into 16-token pages, and back."""
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    blocks, layers, block_tokens, page_tokens, head_dim = 8, 32, 256, 16, 128
+    staging = torch.randn(
+        blocks, layers, 2, NUM_KV_HEADS, block_tokens, head_dim, generator=gen, device=CUDA
+    ).to(dtype)
+    num_pages = blocks * block_tokens // page_tokens + 4
+    pool = torch.zeros(layers, 2, num_pages, page_tokens, NUM_KV_HEADS, head_dim, device=CUDA)
+    pool = pool.to(dtype)
+    slots = torch.randperm(num_pages * page_tokens, generator=gen, device=CUDA)
+    slots = slots[: blocks * block_tokens].view(blocks, block_tokens).contiguous()
+    positions = torch.arange(blocks * block_tokens, device=CUDA).view(blocks, -1) + 70000
+    rope = rope_tables(
+        RopeConfig(head_dim, 500000.0, Llama3Scaling(8.0, 1.0, 4.0, 8192)), 1 << 17, CUDA
+    )
+    by_kernel, by_reference = pool.clone(), pool.clone()
+    load_blocks_triton(staging, by_kernel, slots, positions, rope)
+    load_blocks_reference(staging, by_reference, slots, positions, rope)
+    assert torch.equal(by_kernel, by_reference)
+    saved_kernel, saved_reference = torch.zeros_like(staging), torch.zeros_like(staging)
+    save_blocks_triton(by_kernel, saved_kernel, slots, positions, rope)
+    save_blocks_reference(by_kernel, saved_reference, slots, positions, rope)
+    assert torch.equal(saved_kernel, saved_reference)
+    torch.testing.assert_close(saved_kernel.float(), staging.float(), **TOLERANCES[dtype])
