@@ -86,8 +86,10 @@ def serve_config(path: str | None, listen: Sequence[str] | None) -> Config:
 def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from kvstore.defaults import tune_allocator
     from kvstore.server import serve
 
+    tune_allocator()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -49,3 +49,33 @@ def auto_host_capacity(directory: str | Path) -> int:
     """The host tier size for this machine, its arena living in ``directory``."""
     stats = os.statvfs(directory)
     return host_capacity(mem_available(), stats.f_bavail * stats.f_frsize)
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD: Final = -1
+_M_MMAP_THRESHOLD: Final = -3
+ALLOCATOR_REUSE_BYTES: Final = 256 * 2**20
+
+
+def tune_allocator(reuse_bytes: int = ALLOCATOR_REUSE_BYTES) -> bool:
+    """Lets glibc reuse freed buffers up to ``reuse_bytes`` instead of unmapping them.
+
+    Blocks are 2-32 MiB; by default glibc maps each such buffer afresh and unmaps it on
+    free, so every block read pays a page fault per 4 KiB (measured: a 32 MiB read at
+    ~1.3 GB/s instead of ~5 GB/s). Called once by the daemon's entry point. Returns False
+    where there is no glibc (the setting is an optimisation, never required).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, reuse_bytes) and mallopt(_M_TRIM_THRESHOLD, 4 * reuse_bytes)
+    )

@@ -19,6 +19,7 @@ from kvstore.tiers import BlobTooLargeError, InvalidRangeError, TierClosedError
 from kvstore.tiers.host import (
     COPY_IN_THREAD_BYTES,
     HostTier,
+    InvalidBufferError,
     InvalidSlotError,
     ReservationExistsError,
     ReservationNotFoundError,
@@ -179,15 +180,18 @@ async def test_another_process_reads_and_writes_slots_in_place(tier: HostTier) -
 
 
 async def test_large_copies_are_bit_exact_for_any_buffer(tier: HostTier) -> None:
-    blob = bytearray(random.Random(3).randbytes(2 * MIB))
+    blob = bytearray(random.Random(3).randbytes(4 * MIB))
     assert len(blob) >= COPY_IN_THREAD_BYTES
-    words = memoryview(blob).cast("I", shape=[512, 1024])  # 2-D, 4-byte items
-    for i, data in enumerate([bytes(blob), blob, memoryview(blob), words, memoryview(blob)[::2]]):
-        assert await tier.put(i.to_bytes(1, "big"), data)
-    for i, expected in enumerate([blob, blob, blob, blob, blob[::2]]):
-        assert await tier.get(i.to_bytes(1, "big")) == expected
-    assert await tier.get_range(b"\x00", 5, 3 * MIB) == blob[5:]
-    assert await tier.get_range(b"\x01", 100, MIB + 1) == blob[100 : MIB + 101]
+    words = memoryview(blob).cast("I", shape=[1024, 1024])  # 2-D, 4-byte items
+    sources = [bytes(blob), blob, memoryview(blob), words, memoryview(blob)[::2]]
+    for i, (data, expected) in enumerate(zip(sources, [blob] * 4 + [blob[::2]], strict=True)):
+        key = i.to_bytes(1, "big")
+        assert await tier.put(key, data)
+        assert await tier.get(key) == expected
+        if i == 0:
+            assert await tier.get_range(key, 5, 9 * MIB) == blob[5:]
+            assert await tier.get_range(key, 100, MIB + 1) == blob[100 : MIB + 101]
+        assert await tier.delete(key)
 
 
 async def test_delete_during_a_large_get_keeps_its_bytes(tmp_path: Path) -> None:
@@ -291,3 +295,42 @@ async def test_aclose_with_a_view_still_alive_removes_the_file(
     assert "views still alive" in caplog.text
     view[:] = b"abc"  # the mapping outlives the tier until the view goes
     view.release()
+
+
+@pytest.mark.parametrize("length", [5000, 5 * MIB + 7])  # below and past COPY_IN_THREAD_BYTES
+async def test_get_into_fills_the_head_of_the_buffer(tier: HostTier, length: int) -> None:
+    blob = random.Random(length).randbytes(length)
+    assert await tier.put(b"k", blob)
+    out = bytearray(b"\xff" * (length + 10))
+    assert await tier.get_into(b"k", out) == length
+    assert out == blob + b"\xff" * 10
+    words = memoryview(bytearray(length + 3)).cast("B").cast("B", shape=[1, length + 3])
+    assert await tier.get_into(b"k", words) == length  # any contiguous layout is bytes
+    assert words.tobytes()[:length] == blob
+    assert await tier.get_into(b"missing", out) is None
+
+
+async def test_get_into_refuses_buffers_it_cannot_fill(tier: HostTier) -> None:
+    assert await tier.put(b"k", b"abcdef")
+    short = bytearray(5)
+    with pytest.raises(InvalidBufferError, match="5-byte buffer cannot hold 6 bytes"):
+        await tier.get_into(b"k", short)
+    assert short == bytes(5)
+    with pytest.raises(InvalidBufferError, match="writable"):
+        await tier.get_into(b"k", memoryview(bytes(10)))
+    with pytest.raises(InvalidBufferError, match="contiguous"):
+        await tier.get_into(b"k", memoryview(bytearray(20))[::2])
+
+
+async def test_delete_during_a_large_get_into_keeps_its_bytes(tmp_path: Path) -> None:
+    async with HostTier(BIG, directory=tmp_path) as host:  # room for exactly one blob
+        first = os.urandom(BIG)
+        assert await host.put(b"a", first)
+        out = bytearray(BIG)
+        reading = asyncio.create_task(host.get_into(b"a", out))
+        await asyncio.sleep(0)  # the copy has pinned its slot and runs in a thread
+        assert await host.delete(b"a")
+        assert host.reserve(b"b", BIG) is None  # the slot is still being read
+        assert await reading == BIG
+        assert out == first
+        assert host.reserve(b"b", BIG) is not None
