@@ -60,7 +60,8 @@ from kvstore.defaults import tune_allocator
 from kvstore.tiers.base import Tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
-from kvstore.tiers.ssd import SsdTier, record_overhead
+from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd_files import record_overhead
 
 MIB = 1 << 20
 GB = 1e9

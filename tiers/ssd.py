@@ -32,69 +32,34 @@ The blob bytes carry no checksum here: the block codec one layer up checksums ev
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
-import struct
-import zlib
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Self
+from typing import ParamSpec, Self, TypeVar
 
+import aiofiles.os
+
+from kvstore.tiers import ssd_files
 from kvstore.tiers.base import (
-    MAX_KEY_BYTES,
     BlobTooLargeError,
     Buffer,
     TierClosedError,
     check_key,
     check_range,
 )
+from kvstore.tiers.ssd_files import (
+    SUFFIX,
+    TMP_DIR,
+    encode_header,
+    record_overhead,
+)
 
 logger = logging.getLogger(__name__)
-
-MAGIC = b"KVSSD001"
-_FIELDS = struct.Struct("<8sHHQ")  # magic, key length, reserved, blob length
-_CRC = struct.Struct("<I")
-HEADER_BYTES = _FIELDS.size + _CRC.size  # 24
-SUFFIX = ".blk"
-TMP_DIR = "tmp"
-
-
-class CorruptRecordError(Exception):
-    """A record whose header does not describe the file it sits in."""
-
-
-def record_overhead(key_len: int) -> int:
-    """Returns the bytes a record spends on top of its blob: the header and the key."""
-    return HEADER_BYTES + key_len
-
-
-def encode_header(key: bytes, blob_len: int) -> bytes:
-    """Returns the header and key bytes that start the record of ``key``."""
-    fields = _FIELDS.pack(MAGIC, len(key), 0, blob_len)
-    return fields + _CRC.pack(zlib.crc32(key, zlib.crc32(fields))) + key
-
-
-def decode_header(head: bytes) -> tuple[bytes, int]:
-    """Returns ``(key, blob_len)`` from the first bytes of a record.
-
-    Raises:
-        CorruptRecordError: short read, bad magic, key length or crc.
-    """
-    if len(head) < HEADER_BYTES:
-        raise CorruptRecordError(f"header is {len(head)} bytes, want {HEADER_BYTES}")
-    magic, key_len, _, blob_len = _FIELDS.unpack_from(head)
-    if magic != MAGIC:
-        raise CorruptRecordError(f"bad magic {magic!r}")
-    if not 0 < key_len <= MAX_KEY_BYTES or len(head) < HEADER_BYTES + key_len:
-        raise CorruptRecordError(f"bad key length {key_len}")
-    key = head[HEADER_BYTES : HEADER_BYTES + key_len]
-    (crc,) = _CRC.unpack_from(head, _FIELDS.size)
-    if crc != zlib.crc32(key, zlib.crc32(head[: _FIELDS.size])):
-        raise CorruptRecordError("header crc mismatch")
-    return key, blob_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +123,7 @@ class SsdTier:
         """Creates the directories and rebuilds the index from the record files."""
         if self._open:
             return
-        found = await asyncio.to_thread(_recover, self.directory, self._capacity)
+        found = await _in_io_thread(ssd_files.recover, self.directory, self._capacity)
         self._index = found.index
         self._used = sum(found.index.values())
         self.dropped_on_start = found.dropped
@@ -246,7 +211,7 @@ class SsdTier:
             if size is None:
                 return False
             self._used -= size
-            await asyncio.to_thread(_remove_quietly, self.path_of(key))
+            await _in_io_thread(ssd_files.remove_quietly, self.path_of(key))
             return True
 
     def keys(self) -> Iterable[bytes]:
@@ -314,13 +279,13 @@ class SsdTier:
         # One thread hop for the whole write: each hop costs a wake-up, which for a few MiB
         # is a visible share of the put.
         header = encode_header(key, view.nbytes)
-        await asyncio.to_thread(_write_file, tmp, self.path_of(key), header, view, self._fsync)
+        await _in_io_thread(ssd_files.write_file, tmp, self.path_of(key), header, view, self._fsync)
 
     async def _read(self, key: bytes, offset: int, length: int | None) -> bytes | None:
         try:
-            found = await asyncio.to_thread(_read_file, self.path_of(key), key, offset, length)
+            found = await _in_io_thread(ssd_files.read_file, self.path_of(key), key, offset, length)
         except FileNotFoundError:
-            found = _Corrupt(None, "file is missing")
+            found = ssd_files.Corrupt(None, "file is missing")
         except OSError as exc:
             logger.warning("ssd tier %s: read of %s failed: %s", self.name, key.hex(), exc)
             return None
@@ -332,7 +297,7 @@ class SsdTier:
     async def _drop_bad(self, key: bytes, inode: int | None, reason: str) -> None:
         async with self._locks.hold(key):
             # A put may have replaced the bad file since it was read: keep the new one.
-            if not await asyncio.to_thread(_remove_if_same, self.path_of(key), inode):
+            if not await _in_io_thread(ssd_files.remove_if_same, self.path_of(key), inode):
                 return
             size = self._index.pop(key, None)
             if size is not None:
@@ -361,160 +326,11 @@ class _KeyLocks:
                 del self._users[key], self._locks[key]
 
 
-# Blocking helpers below run in worker threads (asyncio.to_thread), never on the event loop.
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-@dataclass(frozen=True, slots=True)
-class _Recovery:
-    index: dict[bytes, int]
-    dropped: int
-    trimmed: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Found:
-    key: bytes
-    size: int
-    mtime_ns: int
-    path: Path
-
-
-def _recover(root: Path, capacity: int) -> _Recovery:
-    tmp = root / TMP_DIR
-    tmp.mkdir(parents=True, exist_ok=True)
-    for prefix in range(256):
-        (root / f"{prefix:02x}").mkdir(exist_ok=True)
-    _fsync_dir(root)
-    dropped = 0
-    for leftover in tmp.iterdir():
-        _remove_quietly(leftover)
-        dropped += 1
-    found: list[_Found] = []
-    for path in _record_files(root):
-        record = _check_file(path)
-        if record is None:
-            _remove_quietly(path)
-            dropped += 1
-        else:
-            found.append(record)
-    kept = _trim(found, capacity)
-    return _Recovery({r.key: r.size for r in kept}, dropped, len(found) - len(kept))
-
-
-def _record_files(root: Path) -> Iterable[Path]:
-    # Only the 256 prefix folders: other entries (lost+found on a mount point) are not ours.
-    for prefix in range(256):
-        for path in (root / f"{prefix:02x}").iterdir():
-            if path.name.endswith(SUFFIX):
-                yield path
-
-
-def _check_file(path: Path) -> _Found | None:
-    try:
-        with path.open("rb") as file:
-            key, blob_len = decode_header(file.read(HEADER_BYTES + MAX_KEY_BYTES))
-            stat = os.fstat(file.fileno())
-    except (OSError, CorruptRecordError) as exc:
-        logger.warning("ssd: dropping %s: %s", path, exc)
-        return None
-    size = record_overhead(len(key)) + blob_len
-    if stat.st_size != size:
-        logger.warning("ssd: dropping %s: %d bytes, header says %d", path, stat.st_size, size)
-        return None
-    if path.name != f"{key.hex()}{SUFFIX}" or path.parent.name != key.hex()[:2]:
-        logger.warning("ssd: dropping %s: it holds key %s", path, key.hex())
-        return None
-    return _Found(key, size, stat.st_mtime_ns, path)
-
-
-def _trim(found: list[_Found], capacity: int) -> list[_Found]:
-    """Deletes the oldest records until the rest fit in ``capacity``; returns the rest."""
-    found.sort(key=lambda record: record.mtime_ns)
-    excess = sum(record.size for record in found) - capacity
-    cut = 0
-    while excess > 0:
-        _remove_quietly(found[cut].path)
-        excess -= found[cut].size
-        cut += 1
-    if cut:
-        logger.warning("ssd: over capacity at start, deleted the %d oldest records", cut)
-    return found[cut:]
-
-
-def _write_file(tmp: Path, path: Path, header: bytes, view: memoryview, fsync: bool) -> None:
-    """Writes the record to ``tmp``, then moves it to ``path``; a failed write leaves neither
-    a temp file nor a changed ``path``."""
-    try:
-        with tmp.open("wb") as file:
-            file.write(header)
-            file.write(view)
-            file.flush()
-            if fsync:
-                os.fsync(file.fileno())
-        _install(tmp, path, fsync)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-
-
-@dataclass(frozen=True, slots=True)
-class _Corrupt:
-    """A record file that does not check out (``inode`` None: the file is missing)."""
-
-    inode: int | None
-    reason: str
-
-
-def _read_record(file: BinaryIO, key: bytes, offset: int, length: int | None) -> bytes:
-    start = record_overhead(len(key))
-    stored_key, blob_len = decode_header(file.read(start))
-    if stored_key != key:
-        raise CorruptRecordError(f"record holds key {stored_key.hex()}")
-    offset = min(offset, blob_len)
-    count = blob_len - offset if length is None else min(length, blob_len - offset)
-    if count == 0:
-        return b""
-    if offset:
-        file.seek(start + offset)
-    data = file.read(count)
-    if len(data) != count:
-        raise CorruptRecordError(f"record truncated: read {len(data)} of {count} bytes")
-    return data
-
-
-def _read_file(path: Path, key: bytes, offset: int, length: int | None) -> bytes | _Corrupt:
-    with path.open("rb") as file:
-        try:
-            return _read_record(file, key, offset, length)
-        except CorruptRecordError as exc:
-            return _Corrupt(os.fstat(file.fileno()).st_ino, str(exc))
-
-
-def _install(tmp: Path, path: Path, fsync: bool) -> None:
-    os.replace(tmp, path)
-    if fsync:
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_if_same(path: Path, inode: int | None) -> bool:
-    """Removes ``path`` if it is still the file ``inode``; ``True`` when that file is gone."""
-    try:
-        if os.stat(path).st_ino != inode:
-            return False  # a newer record took its place (or it was missing and came back)
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    return True
-
-
-def _remove_quietly(path: Path) -> None:
-    with suppress(FileNotFoundError):
-        os.remove(path)
+async def _in_io_thread(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """Runs blocking file work through aiofiles' executor wrapper: one worker-thread hop for a
+    whole write or read (each hop costs a wake-up, a visible share of a few-MiB block)."""
+    return await aiofiles.os.wrap(functools.partial(fn, *args, **kwargs))()

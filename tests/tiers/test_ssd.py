@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.tiers import BlobTooLargeError
-from kvstore.tiers.ssd import HEADER_BYTES, MAGIC, SsdTier, record_overhead
+from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd_files import HEADER_BYTES, MAGIC, record_overhead
 
 KIB = 1024
 MIB = 1024 * KIB
