@@ -5,19 +5,27 @@ The engine (``engine.py``) owns the model, the paged KV pool and the step loop; 
 connector at fixed points, in this order, per request (the vLLM KV-connector shape):
 
 1. admission: ``num_loadable_tokens(request)`` -> how many leading prompt tokens the store
-   can provide (a multiple of ``page_tokens``, at most ``len(prompt) - 1`` so at least one
-   token is computed to produce logits);
-2. the engine allocates pool pages for the whole prompt, then
-   ``start_load(request, pages, num_tokens)`` begins filling pages ``pages[:num_tokens //
-   page_tokens]`` in the background (K rotated to positions ``0..num_tokens-1``);
+   can provide (at most ``len(prompt) - 1`` so at least one token is computed to produce
+   logits; the engine refuses anything outside ``0..len(prompt) - 1``);
+2. the engine allocates pool pages for ``prompt + max_tokens - 1`` tokens; at the start of
+   the prefill, and only when step 1 said more than 0, ``start_load(request, pages,
+   num_tokens)`` begins filling pages ``pages[:num_tokens // page_tokens]`` in the background
+   (K rotated to positions ``0..num_tokens-1``);
 3. prefill, per layer ``i``: ``wait_for_layer_load(request, i)`` blocks until layer ``i`` of
    the loaded prefix is in the pool, then the engine computes layer ``i`` for the new tokens
    while the connector loads layer ``i + 1``. A ``False`` answer means the load failed or
-   timed out: the engine recomputes the whole prompt instead (never a wrong output);
+   timed out: the engine recomputes the whole prompt into the same pages at once, so after
+   answering ``False`` the connector must never write those pages again (never a wrong
+   output). Decode steps never call the connector's load methods;
 4. after prefill and after the request ends: ``save(request, pages, num_tokens)`` queues the
-   full blocks of ``tokens[:num_tokens]`` that the store lacks; it never blocks the step
-   (a full queue drops the save and counts it);
+   full blocks of ``(prompt + output)[:num_tokens]`` that the store lacks, ``num_tokens``
+   being how many leading tokens have KV in the pool (at the end ``len(prompt) +
+   len(output) - 1``: the last sampled token's KV is never written). It never blocks the
+   step (a full queue drops the save and counts it);
 5. ``request_finished(request)``: drop per-request state.
+
+A connector needs the engine's pool, so it is bound after construction:
+``engine.connector = StoreConnector(..., engine.kv_pool, ...)``.
 
 A request may carry a ``reuse`` plan (chat truncation): block keys of KV computed at other
 positions, to be loaded at the positions the plan gives, instead of the plain prefix match.

@@ -1,0 +1,253 @@
+"""A paged inference engine: one model, one KV pool, requests run to completion.
+
+``Engine.generate(requests)`` loops until every request is done:
+
+1. admission, while a batch slot and enough pages are free: ask the connector how many
+   leading prompt tokens it can load (``num_loadable_tokens``), take pages for the prompt
+   plus ``max_tokens`` (``PageAllocator.allocate``);
+2. prefill of the admitted request, new tokens only: ``start_load`` the prefix, then before
+   each layer ``wait_for_layer_load(request, layer)``, and that layer attends over the
+   loaded prefix and the new tokens causally. A ``False`` answer drops the prefix and
+   prefills the whole prompt again. (With nothing to load, neither is called.) The first
+   token is sampled; ``save(request, pages, len(prompt))`` offers the prompt's KV;
+3. decode: one token for every running sequence per step (``decode_attention``);
+4. a sequence that sampled a stop token or reached ``max_tokens`` ends: ``save`` offers all
+   its KV (``tokens = prompt + output``; all but the last token, which was never fed back),
+   then ``request_finished``, then its pages are freed.
+
+The connector sees the pool through ``kv_pool``, ``page_tokens`` and ``rope_tables``; it can
+be set after construction (``engine.connector = ...``) since it usually needs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.inference_adapter.interfaces import (
+    KVConnector,
+    NullConnector,
+    Request,
+    SamplingParams,
+)
+from kvstore.inference_adapter.model import LlamaModel
+from kvstore.inference_adapter.pages import (
+    PageAllocator,
+    decode_batch,
+    pages_for,
+    prefill_batch,
+)
+from kvstore.inference_adapter.sampling import new_generator, sample
+from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.kernels import RopeTables
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request while it holds pages."""
+
+    request: Request
+    pages: list[int]
+    admitted_at: float  # time.perf_counter() at admission
+    generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.request.prompt) + len(self.request.output)
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether it reached max_tokens or sampled a stop token."""
+        output, sampling = self.request.output, self.request.sampling
+        return len(output) >= sampling.max_tokens or output[-1] in sampling.stop_token_ids
+
+
+class Engine:
+    """Runs requests on ``model`` with a paged KV pool of ``num_pages`` pages."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        num_pages: int,
+        page_tokens: int,
+        connector: KVConnector | None = None,
+        max_batch: int = 8,
+    ) -> None:
+        if page_tokens < 1 or max_batch < 1:
+            raise ValueError(
+                f"page_tokens and max_batch must be >= 1, got {page_tokens}, {max_batch}"
+            )
+        self.model = model
+        self.page_tokens = page_tokens
+        self.max_batch = max_batch
+        self.connector: KVConnector = connector or NullConnector()
+        self.allocator = PageAllocator(num_pages)
+        # [num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]
+        self.kv_pool = model.new_kv_pool(num_pages, page_tokens)
+
+    @property
+    def config(self) -> LlamaConfig:
+        """The model's architecture."""
+        return self.model.config
+
+    @property
+    def rope_tables(self) -> RopeTables:
+        """cos/sin for positions ``0 .. max_position_embeddings - 1``, as the model uses them."""
+        return self.model.rope_tables
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> list[Request]:
+        """Run ``requests`` to completion, at most ``max_batch`` at a time, and fill their
+        result fields.
+
+        Returns:
+            ``requests``, in the order given.
+
+        Raises:
+            ValueError: A request can never run here (empty prompt, unknown token ids, more
+                positions than the model has, more pages than the pool has); nothing runs.
+        """
+        for request in requests:
+            self.check_request(request)
+        waiting = deque(requests)
+        running: list[Sequence] = []
+        try:
+            while waiting or running:
+                while waiting and self.can_admit(waiting[0], len(running)):
+                    running.append(self._admit(waiting.popleft()))
+                    self._prefill(running[-1])
+                    self._retire_finished(running)
+                self._decode(running)
+                self._retire_finished(running)
+        finally:
+            for seq in running:  # only after an error: give the pages back
+                self.allocator.free(seq.pages)
+        return requests
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError naming the numbers when ``request`` could never run."""
+        prompt, max_tokens = request.prompt, request.sampling.max_tokens
+        name, config = f"request {request.request_id!r}", self.config
+        if not prompt:
+            raise ValueError(f"{name}: empty prompt")
+        if min(prompt) < 0 or max(prompt) >= config.vocab_size:
+            raise ValueError(f"{name}: token ids must be in 0..{config.vocab_size - 1}")
+        num_positions = len(prompt) + max_tokens - 1
+        if num_positions > config.max_position_embeddings:
+            raise ValueError(
+                f"{name}: {len(prompt)} prompt tokens + {max_tokens} max_tokens need "
+                f"{num_positions} positions, the model has {config.max_position_embeddings}"
+            )
+        num_pages = self.num_pages_needed(request)
+        if num_pages > self.allocator.num_pages:
+            raise ValueError(
+                f"{name}: {len(prompt)} prompt tokens + {max_tokens} max_tokens need "
+                f"{num_pages} pages of {self.page_tokens} tokens, the pool has "
+                f"{self.allocator.num_pages}"
+            )
+
+    def num_pages_needed(self, request: Request) -> int:
+        """Pages for the KV of the prompt and all outputs but the last (never fed back)."""
+        num_tokens = len(request.prompt) + request.sampling.max_tokens - 1
+        return pages_for(num_tokens, self.page_tokens)
+
+    def can_admit(self, request: Request, num_running: int) -> bool:
+        """Whether a batch slot and the pages ``request`` needs are free now."""
+        free_pages = self.allocator.can_allocate(self.num_pages_needed(request))
+        return num_running < self.max_batch and free_pages
+
+    def _admit(self, request: Request) -> Sequence:
+        admitted_at = time.perf_counter()
+        num_loadable = self.connector.num_loadable_tokens(request)
+        if not 0 <= num_loadable < len(request.prompt):
+            raise ValueError(
+                f"request {request.request_id!r}: the connector offers {num_loadable} tokens "
+                f"of a {len(request.prompt)}-token prompt (0..{len(request.prompt) - 1} allowed)"
+            )
+        pages = self.allocator.allocate(self.num_pages_needed(request))
+        generator = new_generator(request.sampling, self.model.device)
+        request.output, request.finished, request.num_loaded_tokens = [], False, num_loadable
+        return Sequence(request, pages, admitted_at, generator)
+
+    def _prefill(self, seq: Sequence) -> None:
+        request = seq.request
+        if request.num_loaded_tokens:
+            self.connector.start_load(request, seq.pages, request.num_loaded_tokens)
+        hidden = self._forward_prompt(seq, request.num_loaded_tokens)
+        while hidden is None:  # a layer's load failed: recompute all (a start of 0 never fails)
+            logger.warning("request %s: loading its prefix failed, recomputing", request.request_id)
+            request.num_loaded_tokens = 0
+            hidden = self._forward_prompt(seq, 0)
+        request.num_computed_tokens = len(request.prompt) - request.num_loaded_tokens
+        logits = self.model.compute_logits(hidden[-1:])  # [1, vocab_size]
+        request.output += sample(logits, [request.sampling], [seq.generator])
+        request.ttft_s = time.perf_counter() - seq.admitted_at
+        self.connector.save(request, seq.pages, len(request.prompt))
+
+    def _forward_prompt(self, seq: Sequence, start: int) -> torch.Tensor | None:
+        """Last-layer states ``[len(prompt) - start, hidden]`` of the prompt after its first
+        ``start`` tokens (loaded by the connector); None when a layer's load failed."""
+        request, model = seq.request, self.model
+        new_tokens = request.prompt[start:]
+        batch = prefill_batch(seq.pages, start, len(new_tokens), self.page_tokens, model.device)
+        hidden = model.embed(torch.tensor(new_tokens, device=model.device))
+        for layer in range(self.config.num_hidden_layers):
+            if start and not self.connector.wait_for_layer_load(request, layer):
+                return None
+            hidden = model.run_layer(layer, hidden, batch, self.kv_pool)
+        return hidden
+
+    def _decode(self, running: SequenceOf[Sequence]) -> None:
+        if not running:
+            return
+        model = self.model
+        batch = decode_batch(
+            [seq.pages for seq in running],
+            [seq.num_tokens for seq in running],
+            self.page_tokens,
+            model.device,
+        )
+        last = torch.tensor([seq.request.output[-1] for seq in running], device=model.device)
+        logits = model.compute_logits(model(last, batch, self.kv_pool))  # [batch, vocab_size]
+        params = [seq.request.sampling for seq in running]
+        tokens = sample(logits, params, [seq.generator for seq in running])
+        for seq, token in zip(running, tokens, strict=True):
+            seq.request.output.append(token)
+
+    def _retire_finished(self, running: list[Sequence]) -> None:
+        for seq in [seq for seq in running if seq.is_finished]:
+            running.remove(seq)
+            request = seq.request
+            request.finished = True
+            # The last sampled token was never fed back, so its KV is not in the pool.
+            self.connector.save(request, seq.pages, seq.num_tokens - 1)
+            self.connector.request_finished(request)
+            self.allocator.free(seq.pages)
+
+    @torch.inference_mode()
+    def prefill_logits(self, tokens: list[int]) -> torch.Tensor:
+        """Logits ``[len(tokens), vocab_size]`` of a prompt prefilled from scratch in this
+        engine's pool, without the connector (benchmarks and tests).
+
+        Raises:
+            ValueError: As ``generate`` for a request of these tokens, or no pages free.
+        """
+        request = Request("prefill_logits", list(tokens), SamplingParams(max_tokens=1))
+        self.check_request(request)
+        pages = self.allocator.allocate(pages_for(len(tokens), self.page_tokens))
+        try:
+            device = self.model.device
+            batch = prefill_batch(pages, 0, len(tokens), self.page_tokens, device)
+            hidden = self.model(torch.tensor(tokens, device=device), batch, self.kv_pool)
+            return self.model.compute_logits(hidden)
+        finally:
+            self.allocator.free(pages)

@@ -1,0 +1,277 @@
+"""A Llama-family decoder (RMSNorm, RoPE, GQA attention, SwiGLU) over a paged KV pool.
+
+Every attention layer writes its new tokens' K/V into the pool and attends through the
+paged kernels (``prefill_attention`` / ``decode_attention``: Triton on CUDA, the torch
+reference elsewhere), so one code path serves prefill with a cached prefix and decode.
+RoPE uses ``kvstore.kernels`` tables, the very ones the connector's copy kernels use, so
+K rotated here and K rotated while loading from the store agree bit for bit.
+
+Module names follow Hugging Face's ``LlamaForCausalLM`` (without its ``model.`` prefix), so
+checkpoints load by name. Entry points: ``load_model(folder)`` reads a local checkpoint,
+``LlamaModel.from_config(config, seed=...)`` initialises one at random, deterministically.
+The step API the engine drives is ``embed`` -> ``run_layer`` per layer -> ``compute_logits``
+(``forward`` chains all layers); ``prompt_logits`` scores one token list on its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstore.inference_adapter.pages import AttentionBatch, pages_for, prefill_batch
+from kvstore.inference_adapter.weights import LlamaConfig, read_config, read_weights
+from kvstore.kernels import (
+    RopeTables,
+    apply_rope,
+    decode_attention,
+    new_kv_pool,
+    prefill_attention,
+    rope_tables,
+    write_tokens,
+)
+
+INIT_STD = 0.02  # Hugging Face's default initializer_range
+SCRATCH_PAGE_TOKENS = 16  # page size of the throwaway pool behind ``prompt_logits``
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as Hugging Face does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention whose K/V live in the paged pool."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor, rope: RopeTables
+    ) -> torch.Tensor:
+        """x: ``[num_tokens, hidden]``; kv: this layer's ``[2, num_pages, page_tokens,
+        num_kv_heads, head_dim]``. Writes the tokens' K/V, returns ``[num_tokens, hidden]``."""
+        num_tokens = x.size(0)
+        positions = batch.positions[:, None]  # broadcast over heads
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
+        k_cache, v_cache = kv[0], kv[1]
+        write_tokens(k_cache, v_cache, k, v, batch.slots)
+        if batch.cu_seqlens_q is None:
+            out = decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables)
+        else:
+            out = prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.cu_seqlens_q,
+                batch.seq_lens,
+                batch.block_tables,
+                max_query_len=batch.max_query_len,
+            )
+        projected: torch.Tensor = self.o_proj(out.flatten(1))
+        return projected
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor, rope: RopeTables
+    ) -> torch.Tensor:
+        h: torch.Tensor = x + self.self_attn(self.input_layernorm(x), batch, kv, rope)
+        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
+
+
+class LlamaModel(nn.Module):
+    """A Llama causal LM. Build it on its final device: the RoPE tables do not follow
+    ``.to()``."""
+
+    def __init__(self, config: LlamaConfig, *, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        # [max_position_embeddings, head_dim // 2] float32 cos and sin
+        self.rope_tables = rope_tables(config.rope, config.max_position_embeddings, device)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: LlamaConfig,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+    ) -> LlamaModel:
+        """Random weights, the same for the same seed on any device: N(0, 0.02) for
+        matrices and embeddings, zeros for biases, ones for norms.
+
+        Args:
+            config: The architecture.
+            seed: Seeds a CPU generator that draws every weight.
+            dtype: Weight dtype; ``config.dtype`` when None.
+            device: Where the model lives.
+        """
+        with torch.device("meta"):
+            model = cls(config, device=device)
+        model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    param.normal_(0.0, INIT_STD, generator=generator)
+        model.to(dtype=dtype or config.dtype, device=device)
+        model.tie_weights()
+        return model.eval().requires_grad_(False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' (and the KV pool's) dtype."""
+        return self.embed_tokens.weight.dtype
+
+    def new_kv_pool(self, num_pages: int, page_tokens: int) -> torch.Tensor:
+        """A zeroed pool for this model, on its device in its dtype:
+        ``[num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]``."""
+        config = self.config
+        return new_kv_pool(
+            config.num_hidden_layers,
+            num_pages,
+            page_tokens,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens]`` int64 ids -> ``[num_tokens, hidden]``."""
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        return hidden
+
+    def run_layer(
+        self, layer: int, hidden: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """Decoder layer ``layer`` on ``hidden`` ``[num_tokens, hidden]``; writes its K/V into
+        ``kv_pool`` ``[num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]``."""
+        out: torch.Tensor = self.layers[layer](hidden, batch, kv_pool[layer], self.rope_tables)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, hidden]`` last-layer states -> ``[num_tokens, vocab_size]``."""
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """All layers over the tokens ``batch`` addresses: ``[num_tokens]`` ids ->
+        ``[num_tokens, hidden]`` last-layer states (before the final norm)."""
+        hidden = self.embed(input_ids)
+        for layer in range(len(self.layers)):
+            hidden = self.run_layer(layer, hidden, batch, kv_pool)
+        return hidden
+
+    @torch.inference_mode()
+    def prompt_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[num_tokens, vocab_size]`` of one sequence ``[num_tokens]``, from scratch,
+        in a throwaway pool."""
+        num_tokens = input_ids.numel()
+        num_pages = pages_for(num_tokens, SCRATCH_PAGE_TOKENS)
+        kv_pool = self.new_kv_pool(num_pages, SCRATCH_PAGE_TOKENS)
+        batch = prefill_batch(range(num_pages), 0, num_tokens, SCRATCH_PAGE_TOKENS, self.device)
+        return self.compute_logits(self.forward(input_ids.to(self.device), batch, kv_pool))
+
+
+def load_model(
+    folder: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> LlamaModel:
+    """Load a Hugging Face Llama checkpoint (``config.json`` + safetensors) from ``folder``.
+
+    Args:
+        folder: A local checkpoint folder, sharded or not.
+        dtype: Weight dtype; the checkpoint's ``dtype`` when None.
+        device: Where the model lives.
+
+    Raises:
+        FileNotFoundError: The config or the weights are missing.
+        ValueError: An unsupported config, or weights that do not fit it.
+    """
+    config = read_config(folder)
+    dtype = dtype or config.dtype
+    with torch.device("meta"):
+        model = LlamaModel(config, device=device)
+    weights = {
+        name.removeprefix("model."): tensor
+        for name, tensor in read_weights(folder, dtype=dtype, device=device).items()
+        if not name.endswith("rotary_emb.inv_freq")  # old checkpoints stored it
+    }
+    if config.tie_word_embeddings:
+        weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight", torch.empty(0)))
+    expected = set(model.state_dict())
+    if set(weights) != expected:
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise ValueError(f"weights in {folder}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(weights, assign=True)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)

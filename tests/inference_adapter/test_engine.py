@@ -1,0 +1,259 @@
+"""The paged engine against Hugging Face, and its connector calls with a real in-test store.
+
+``PrefixStore`` below is a working connector, not a mock: ``save`` copies pool pages out,
+``wait_for_layer_load`` copies one layer of them back into the pages of a later request,
+so a cached-prefix run attends over KV computed by an earlier run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.inference_adapter import (
+    Engine,
+    LlamaConfig,
+    LlamaModel,
+    NullConnector,
+    Request,
+    SamplingParams,
+    load_model,
+)
+from tests.inference_adapter.conftest import hf_model, tiny_config
+
+PAGE_TOKENS = 8
+PROMPT_LENGTHS = (5, 17, 23, 40, 9)  # none a multiple of PAGE_TOKENS but 40
+MAX_TOKENS = 12
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    ids = torch.randint(0, 192, (length,), generator=torch.Generator().manual_seed(seed))
+    return [int(token) for token in ids]
+
+
+def greedy(request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> Request:
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens))
+
+
+@pytest.fixture(scope="module", params=["default", "llama3"])
+def models(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[LlamaModel, Any]:
+    """(our model, transformers' model) with the same weights."""
+    reference = hf_model(tiny_config(rope=request.param))
+    reference.generation_config.eos_token_id = None  # random models stop nowhere in particular
+    folder = tmp_path_factory.mktemp("tiny")
+    reference.save_pretrained(folder)
+    return load_model(folder), reference
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    """A tiny random model for the tests that need no reference."""
+    return LlamaModel.from_config(LlamaConfig.from_dict(tiny_config()), seed=0)
+
+
+def hf_greedy(reference: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    # An explicit mask: transformers would otherwise mask prompt tokens equal to pad_token_id.
+    mask = torch.ones_like(ids)
+    out = reference.generate(
+        ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+    )
+    return [int(token) for token in out[0, len(prompt) :]]
+
+
+def test_prefill_logits_match_transformers(models: tuple[LlamaModel, Any]) -> None:
+    model, reference = models
+    prompt = random_prompt(37, seed=1)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    engine = Engine(model, num_pages=8, page_tokens=PAGE_TOKENS)
+    torch.testing.assert_close(engine.prefill_logits(prompt), expected, atol=1e-4, rtol=0)
+    assert engine.allocator.num_free_pages == 8
+
+
+def test_greedy_batch_matches_transformers(models: tuple[LlamaModel, Any]) -> None:
+    model, reference = models
+    requests = [greedy(f"r{i}", random_prompt(n, seed=i)) for i, n in enumerate(PROMPT_LENGTHS)]
+    # 16 pages of 8 tokens cannot hold all five at once, and max_batch caps them at 3.
+    engine = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS, max_batch=3)
+    assert engine.generate(requests) is requests
+    for request in requests:
+        assert request.output == hf_greedy(reference, request.prompt, MAX_TOKENS)
+        assert request.finished and request.ttft_s > 0
+        assert request.num_computed_tokens == len(request.prompt)
+        assert request.num_loaded_tokens == 0
+    assert engine.allocator.num_free_pages == 16
+
+
+class PrefixStore:
+    """A connector keeping saved pool pages by the token prefix they end, per layer."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pages: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> [layers, 2, page, ...]
+        self.loads: dict[str, tuple[Sequence[int], int]] = {}
+        self.events: list[tuple[str, int, int]] = []  # (what, layer, tokens)
+        self.saves: list[tuple[str, int]] = []
+        self.fail_at_layer: int | None = None
+
+    def prefixes(self, request: Request, num_tokens: int) -> list[tuple[int, ...]]:
+        tokens, size = [*request.prompt, *request.output], self.engine.page_tokens
+        return [tuple(tokens[: (i + 1) * size]) for i in range(num_tokens // size)]
+
+    def num_loadable_tokens(self, request: Request) -> int:
+        found = 0
+        for prefix in self.prefixes(request, len(request.prompt) - 1):
+            if prefix not in self.pages:
+                break
+            found = len(prefix)
+        return found
+
+    def start_load(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
+        self.loads[request.request_id] = (pages, num_tokens)
+
+    def wait_for_layer_load(self, request: Request, layer: int) -> bool:
+        self.events.append(("wait", layer, 0))
+        pages, num_tokens = self.loads[request.request_id]
+        pool = self.engine.kv_pool
+        for page, prefix in zip(pages, self.prefixes(request, num_tokens), strict=False):
+            pool[layer, :, page] = self.pages[prefix][layer]
+            if layer == self.fail_at_layer:  # a torn load: garbage, then a failure
+                pool[layer, :, page] = torch.randn_like(pool[layer, :, page])
+        return layer != self.fail_at_layer
+
+    def save(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
+        self.saves.append((request.request_id, num_tokens))
+        for page, prefix in zip(pages, self.prefixes(request, num_tokens), strict=False):
+            self.pages[prefix] = self.engine.kv_pool[:, :, page].clone()
+
+    def request_finished(self, request: Request) -> None:
+        self.loads.pop(request.request_id, None)
+        self.events.append(("finished", -1, 0))
+
+
+@pytest.fixture
+def store(model: LlamaModel) -> Iterator[PrefixStore]:
+    """A PrefixStore on a fresh engine whose layers log their computes into its events."""
+    engine = Engine(model, num_pages=32, page_tokens=PAGE_TOKENS)
+    store = PrefixStore(engine)
+    engine.connector = store
+
+    def log_compute(layer: int) -> Any:
+        return lambda module, args: store.events.append(("compute", layer, args[0].size(0)))
+
+    hooks = [
+        layer.register_forward_pre_hook(log_compute(i)) for i, layer in enumerate(model.layers)
+    ]
+    yield store
+    for hook in hooks:
+        hook.remove()
+
+
+def second_turn(store: PrefixStore) -> tuple[Request, list[int]]:
+    """Run a first turn through ``store``; return the second turn's request (first prompt,
+    answer and 7 new tokens: 34 tokens, 24 of them in saved pages) and its expected output."""
+    first = greedy("turn1", random_prompt(21, seed=11), max_tokens=6)
+    store.engine.generate([first])
+    assert store.saves == [("turn1", 21), ("turn1", 26)]  # prompt; all KV but the last token
+    prompt = [*first.prompt, *first.output, *random_prompt(7, seed=12)]
+    expected = Engine(store.engine.model, num_pages=8, page_tokens=PAGE_TOKENS)
+    alone = expected.generate([greedy("alone", prompt)])[0].output
+    store.events.clear()
+    return greedy("turn2", prompt), alone
+
+
+def test_cached_prefix_is_loaded_layer_by_layer_not_computed(store: PrefixStore) -> None:
+    request, expected = second_turn(store)
+    store.engine.generate([request])
+    assert request.output == expected
+    assert (request.num_loaded_tokens, request.num_computed_tokens) == (24, 10)
+    prefill = store.events[:4]
+    assert prefill == [("wait", 0, 0), ("compute", 0, 10), ("wait", 1, 0), ("compute", 1, 10)]
+    assert ("wait", 0, 0) not in store.events[4:]  # decode steps do not wait
+    assert store.events[-1] == ("finished", -1, 0)
+
+
+def test_a_failed_layer_load_recomputes_the_whole_prompt(store: PrefixStore) -> None:
+    request, expected = second_turn(store)
+    store.fail_at_layer = 1
+    store.engine.generate([request])
+    assert request.output == expected
+    assert (request.num_loaded_tokens, request.num_computed_tokens) == (0, 34)
+    assert store.events[:6] == [
+        ("wait", 0, 0),
+        ("compute", 0, 10),
+        ("wait", 1, 0),  # fails: nothing more is loaded, the prompt is computed whole
+        ("compute", 0, 34),
+        ("compute", 1, 34),
+        ("compute", 0, 1),  # the first decode step
+    ]
+
+
+def test_stop_tokens_end_a_request_and_are_kept(model: LlamaModel) -> None:
+    engine = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS)
+    prompt = random_prompt(13, seed=4)
+    full = engine.generate([greedy("full", prompt)])[0].output
+    stop = full[5]
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop, 191))
+    stopped = engine.generate([Request("stopped", prompt, params)])[0]
+    assert stopped.output == full[: full.index(stop) + 1]
+    one = engine.generate([greedy("one", prompt, max_tokens=1)])[0]
+    assert one.output == full[:1] and one.finished
+    assert engine.allocator.num_free_pages == 16
+
+
+def test_temperature_sampling_is_deterministic_per_seed(model: LlamaModel) -> None:
+    engine = Engine(model, num_pages=32, page_tokens=PAGE_TOKENS)
+    prompt = random_prompt(10, seed=5)
+
+    def sampled(seed: int, company: int = 0) -> list[int]:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=seed)
+        others = [greedy(f"other{i}", random_prompt(6 + i, seed=i)) for i in range(company)]
+        return engine.generate([Request("sampled", prompt, params), *others])[0].output
+
+    first = sampled(seed=7)
+    assert sampled(seed=7) == first
+    assert sampled(seed=7, company=2) == first  # batch mates do not change its draws
+    assert sampled(seed=8) != first
+    assert first != engine.generate([greedy("greedy", prompt)])[0].output
+
+
+def test_requests_that_can_never_run_are_refused_with_their_numbers(model: LlamaModel) -> None:
+    engine = Engine(model, num_pages=4, page_tokens=PAGE_TOKENS)
+    fits = greedy("fits", random_prompt(5, seed=0))
+    too_long = greedy("big", random_prompt(30, seed=0), max_tokens=10)
+    with pytest.raises(ValueError, match="'big': 30 prompt tokens \\+ 10 max_tokens need 5 pages "):
+        engine.generate([fits, too_long])
+    assert fits.output == [] and engine.allocator.num_free_pages == 4  # nothing ran
+    past_context = greedy("far", random_prompt(250, seed=0), max_tokens=10)
+    with pytest.raises(ValueError, match="need 259 positions, the model has 256"):
+        engine.generate([past_context])
+    with pytest.raises(ValueError, match="'empty': empty prompt"):
+        engine.generate([greedy("empty", [])])
+    with pytest.raises(ValueError, match=r"token ids must be in 0\.\.191"):
+        engine.generate([greedy("oov", [1, 192])])
+
+
+def test_a_connector_offering_the_whole_prompt_is_refused(model: LlamaModel) -> None:
+    class Greedy(NullConnector):
+        def num_loadable_tokens(self, request: Request) -> int:
+            return len(request.prompt)
+
+    engine = Engine(model, num_pages=4, page_tokens=PAGE_TOKENS, connector=Greedy())
+    with pytest.raises(ValueError, match="offers 8 tokens of a 8-token prompt"):
+        engine.generate([greedy("r", random_prompt(8, seed=0))])
+    assert engine.allocator.num_free_pages == 4
+
+
+def test_engine_exposes_what_a_connector_needs(model: LlamaModel) -> None:
+    engine = Engine(model, num_pages=3, page_tokens=PAGE_TOKENS)
+    config = engine.config
+    shape = (config.num_hidden_layers, 2, 3, PAGE_TOKENS, config.num_key_value_heads, 16)
+    assert engine.kv_pool.shape == shape and engine.kv_pool.dtype == model.dtype
+    assert engine.rope_tables.max_positions == config.max_position_embeddings
+    assert engine.rope_tables is model.rope_tables

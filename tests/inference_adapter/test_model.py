@@ -1,0 +1,133 @@
+"""The Llama model and checkpoint loading against Hugging Face's LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.inference_adapter import LlamaConfig, LlamaModel, load_model, read_config
+from kvstore.inference_adapter.weights import weight_files
+from kvstore.kernels import Llama3Scaling, RopeConfig, UnsupportedRopeScalingError
+from tests.inference_adapter.conftest import hf_model, save_tiny_model, tiny_config
+
+PROMPT = torch.randint(0, 192, (40,), generator=torch.Generator().manual_seed(3))
+ATOL = 1e-4
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = model(ids[None]).logits[0]
+    return logits
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_logits_match_transformers(tmp_path: Path, rope: str) -> None:
+    config = tiny_config(rope=rope)
+    reference = hf_model(config)
+    reference.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    expected = hf_logits(reference, PROMPT)
+    torch.testing.assert_close(model.prompt_logits(PROMPT), expected, atol=ATOL, rtol=0)
+    if rope == "llama3":  # the scaling changes the result: the test is not blind to it
+        plain = hf_model(tiny_config())
+        assert not torch.allclose(hf_logits(plain, PROMPT), expected, atol=1e-3)
+
+
+def test_config_reads_a_saved_checkpoint(tiny_llama3_model_dir: Path) -> None:
+    config = read_config(tiny_llama3_model_dir)
+    scaling = Llama3Scaling(8.0, 1.0, 4.0, 32)
+    assert config == LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=192,
+        rope=RopeConfig(16, 10000.0, scaling),
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        dtype=torch.float32,
+    )
+
+
+def test_null_config_values_take_their_defaults() -> None:
+    config = LlamaConfig.from_dict(tiny_config(num_key_value_heads=None, head_dim=None))
+    assert (config.num_key_value_heads, config.head_dim) == (4, 16)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            UnsupportedRopeScalingError,
+            "yarn",
+        ),
+        ({"model_type": "gpt2"}, ValueError, "model_type 'gpt2'"),
+        ({"hidden_act": "gelu"}, ValueError, "hidden_act must be silu"),
+        ({"vocab_size": None}, ValueError, "config needs vocab_size"),
+        ({"num_hidden_layers": "2"}, ValueError, "num_hidden_layers must be an integer"),
+        ({"rms_norm_eps": True}, ValueError, "rms_norm_eps must be a number"),
+        ({"tie_word_embeddings": 1}, ValueError, "tie_word_embeddings must be true or false"),
+        ({"num_key_value_heads": 3}, ValueError, "multiple of num_key_value_heads"),
+        ({"dtype": "int8"}, ValueError, "dtype must be one of"),
+    ],
+)
+def test_bad_configs_are_refused(
+    change: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        LlamaConfig.from_dict({**tiny_config(), **change})
+
+
+def test_sharded_and_tied_checkpoints_load(tmp_path: Path) -> None:
+    config = tiny_config(tie_word_embeddings=True, num_hidden_layers=3)
+    reference = hf_model(config)
+    reference.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(weight_files(tmp_path)) > 1
+    model = load_model(tmp_path)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    expected = hf_logits(reference, PROMPT)
+    torch.testing.assert_close(model.prompt_logits(PROMPT), expected, atol=ATOL, rtol=0)
+
+
+def test_load_casts_to_the_dtype_asked_for(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    reference = load_model(tiny_model_dir).prompt_logits(PROMPT)
+    logits = model.prompt_logits(PROMPT).float()
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
+
+
+def test_missing_weights_are_named(tmp_path: Path) -> None:
+    folder = save_tiny_model(tmp_path, tiny_config(num_hidden_layers=1))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match=r"missing \['layers\.1\.input_layernorm\.weight'"):
+        load_model(folder)
+    for path in weight_files(folder):
+        path.unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
+        load_model(folder)
+
+
+def test_random_init_is_deterministic_and_a_real_llama() -> None:
+    config = LlamaConfig.from_dict(tiny_config(rope="llama3"))
+    model = LlamaModel.from_config(config, seed=5)
+    again = LlamaModel.from_config(config, seed=5)
+    other = LlamaModel.from_config(config, seed=6)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[name]), name
+    assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
+    # The same weights in transformers give the same logits.
+    reference = hf_model(tiny_config(rope="llama3"))
+    hf_names = {
+        f"model.{k}" if k != "lm_head.weight" else k: v for k, v in model.state_dict().items()
+    }
+    reference.load_state_dict(hf_names)
+    expected = hf_logits(reference, PROMPT)
+    torch.testing.assert_close(model.prompt_logits(PROMPT), expected, atol=ATOL, rtol=0)
