@@ -105,9 +105,10 @@ class RedisConfig:
 class EvictionConfig:
     """When and what to evict: start at ``high_watermark`` of a tier, stop at ``low_watermark``."""
 
-    policy: str = "lru"
+    policy: str = "lru"  # or "scheduler_aware": blocks named in prefetch hints go last
     high_watermark: float = 0.95
     low_watermark: float = 0.85
+    hint_ttl: float = duration(default=60.0)  # how long a prefetch hint protects its blocks
 
 
 def default_socket() -> str:

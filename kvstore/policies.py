@@ -13,17 +13,21 @@ Eviction policy primitives (synchronous; the tier manager calls them):
 
 - ``inserted(tier, key)`` when a tier gains a copy, ``removed(tier, key)`` when it loses one;
 - ``accessed(key)`` on every hit;
+- ``protect(keys, until)`` when a prefetch hint names blocks a queued session will need;
+  ``protected(key)`` tells the manager such a block may move down but must not be dropped;
 - ``victims(tier)`` -> keys in the order they should go. The manager skips keys it may not
   evict (leased, busy, or a parent whose children are still there), so a policy only orders.
 
-``EVICTION_POLICIES`` is the seam for the scheduler-aware policy (protect and prefetch the
-sessions in the engine's look-ahead queue).
+Policies (``EVICTION_POLICIES``): ``lru``; ``scheduler_aware`` (CachedAttention): LRU, except
+that blocks of sessions in the engine's look-ahead queue go last, and never leave the store,
+until their session's turn reads them or the protection expires.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,6 +82,10 @@ class EvictionPolicy(Protocol):
 
     def accessed(self, key: bytes) -> None: ...
 
+    def protect(self, keys: Iterable[bytes], until: float) -> None: ...
+
+    def protected(self, key: bytes) -> bool: ...
+
     def victims(self, tier: str) -> Iterator[bytes]: ...
 
 
@@ -100,12 +108,54 @@ class LruPolicy:
             if key in order:
                 order.move_to_end(key)
 
+    def protect(self, keys: Iterable[bytes], until: float) -> None:
+        return None  # plain LRU ignores look-ahead hints
+
+    def protected(self, key: bytes) -> bool:
+        return False
+
     def victims(self, tier: str) -> Iterator[bytes]:
         # A snapshot: the caller mutates the order while it evicts.
         return iter(list(self._order.get(tier, OrderedDict())))
 
 
-EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy}
+class SchedulerAwarePolicy(LruPolicy):
+    """LRU, but blocks named in look-ahead hints go last and are never dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._protected: dict[bytes, float] = {}  # key -> monotonic deadline
+
+    def accessed(self, key: bytes) -> None:
+        super().accessed(key)
+        self._protected.pop(key, None)  # its session's turn came: plain LRU from now on
+
+    def protect(self, keys: Iterable[bytes], until: float) -> None:
+        for key in keys:
+            self._protected[key] = max(until, self._protected.get(key, 0.0))
+
+    def protected(self, key: bytes) -> bool:
+        deadline = self._protected.get(key)
+        if deadline is None:
+            return False
+        if deadline < time.monotonic():
+            del self._protected[key]
+            return False
+        return True
+
+    def victims(self, tier: str) -> Iterator[bytes]:
+        order = list(super().victims(tier))
+        hinted = [key for key in order if self.protected(key)]
+        if not hinted:
+            return iter(order)
+        held = set(hinted)
+        return iter([key for key in order if key not in held] + hinted)
+
+
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "scheduler_aware": SchedulerAwarePolicy,
+}
 
 
 def eviction_policy(name: str) -> EvictionPolicy:

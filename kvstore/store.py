@@ -32,7 +32,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Self
 
 from kvstore.arena import ArenaPlane
@@ -40,7 +39,7 @@ from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
 from kvstore.index import BlockMeta, RadixIndex
 from kvstore.leases import LeaseTable
-from kvstore.policies import EvictionPolicy, eviction_policy, write_policy
+from kvstore.policies import EvictionPolicy, eviction_policy
 from kvstore.results import (
     Acquired,
     ArenaInfo,
@@ -52,7 +51,7 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
-from kvstore.tiering import CODECS, Placement, StoreTier
+from kvstore.tiering import Placement, StoreTier, tiers_from_config
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import HostTier
 
@@ -86,6 +85,7 @@ class BlockStore:
         low_watermark: float = 0.85,
         lease_ttl: float = 10.0,
         maintenance_interval: float = 1.0,
+        hint_ttl: float = 60.0,
     ) -> None:
         if not tiers:
             raise ValueError("a BlockStore needs at least one tier")
@@ -94,6 +94,7 @@ class BlockStore:
         self.policy = eviction
         self._high, self._low = high_watermark, low_watermark
         self._interval = maintenance_interval
+        self._hint_ttl = hint_ttl
         self._counts: Counter[str] = Counter()
         self._placement = Placement(self._tiers, self.index, self.policy, self._counts)
         self._leases = LeaseTable(self.index, self._placement, lease_ttl)
@@ -108,38 +109,14 @@ class BlockStore:
     @classmethod
     def from_config(cls, config: Config) -> BlockStore:
         """Builds the tiers and policies that ``config`` describes (tiers not started)."""
-        from kvstore.tiers.redis import RedisTier
-        from kvstore.tiers.ssd import SsdTier
-
-        tiers: list[StoreTier] = []
-        if config.host.enabled:
-            host = HostTier(config.host.capacity, directory=config.host.directory)
-            tiers.append(StoreTier(host, None, write_policy("write_through", 1), config.host.ttl))
-        if config.ssd.enabled:
-            ssd_cfg = config.ssd
-            ssd = SsdTier(
-                Path(ssd_cfg.directory).expanduser(), ssd_cfg.capacity, fsync=ssd_cfg.fsync
-            )
-            policy = write_policy(ssd_cfg.write_policy, ssd_cfg.selective_hits)
-            tiers.append(StoreTier(ssd, CODECS[ssd_cfg.compression], policy, ssd_cfg.ttl))
-        if config.redis.enabled:
-            rc = config.redis
-            redis = RedisTier(
-                rc.url,
-                rc.capacity,
-                key_prefix=rc.key_prefix,
-                ttl_s=rc.ttl or None,
-                pool_size=rc.pool_size,
-                timeout_s=rc.timeout,
-            )
-            policy = write_policy(rc.write_policy, rc.selective_hits)
-            tiers.append(StoreTier(redis, CODECS[rc.compression], policy, 0.0, shared=True))
+        tiers = tiers_from_config(config)
         return cls(
             tiers,
             eviction=eviction_policy(config.eviction.policy),
             high_watermark=config.eviction.high_watermark,
             low_watermark=config.eviction.low_watermark,
             lease_ttl=config.server.lease_ttl,
+            hint_ttl=config.eviction.hint_ttl,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -393,8 +370,14 @@ class BlockStore:
         return await self._require_arena().abort(key)
 
     async def prefetch(self, keys: Sequence[bytes], namespace: bytes | None = None) -> int:
-        """Moves the leading held blocks of ``keys`` up into the arena; returns how many."""
+        """Moves the leading held blocks of ``keys`` up into the arena; returns how many.
+
+        The eviction policy is told these blocks are wanted soon (a queued session): the
+        scheduler-aware policy evicts them last and never drops them, for ``hint_ttl``.
+        """
         self._check_open()
+        held = [node.key for node in self.index.match(keys, namespace)]
+        self.policy.protect(held, time.monotonic() + self._hint_ttl)
         return await self._require_arena().prefetch(keys, namespace)
 
     def _require_arena(self) -> ArenaPlane:

@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from kvstore.blocks import (
@@ -36,8 +37,9 @@ from kvstore.blocks import (
     encode_block,
     header_length,
 )
+from kvstore.config import Config
 from kvstore.index import BlockMeta, Node, RadixIndex
-from kvstore.policies import EvictionPolicy, WritePolicy
+from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
 from kvstore.tiers.base import Buffer, Tier
 
 log = logging.getLogger(__name__)
@@ -249,6 +251,8 @@ class Placement:
             return False
         if node.tiers - {slot.name} or self.demotion_target(node, slot) is not None:
             return True
+        if self.policy.protected(node.key):
+            return False  # a queued session needs it: it may move down, never out
         return not self.index.children_of(node.key)  # its last copy: a parent outlives children
 
     def demotion_target(self, node: Node, slot: StoreTier) -> StoreTier | None:
@@ -335,3 +339,33 @@ def check_header(header: BlockHeader, node: Node) -> None:
             f"stored header is for key {header.key.hex()[:16]} layout {header.layout}, "
             f"expected key {node.key.hex()[:16]} layout {node.meta.layout}"
         )
+
+
+def tiers_from_config(config: Config) -> list[StoreTier]:
+    """The enabled tiers of ``config``, top to bottom, with their policies (not started)."""
+    from kvstore.tiers.host import HostTier
+    from kvstore.tiers.redis import RedisTier
+    from kvstore.tiers.ssd import SsdTier
+
+    tiers: list[StoreTier] = []
+    if config.host.enabled:
+        host = HostTier(config.host.capacity, directory=config.host.directory)
+        tiers.append(StoreTier(host, None, write_policy("write_through", 1), config.host.ttl))
+    if config.ssd.enabled:
+        ssd_cfg = config.ssd
+        ssd = SsdTier(Path(ssd_cfg.directory).expanduser(), ssd_cfg.capacity, fsync=ssd_cfg.fsync)
+        policy = write_policy(ssd_cfg.write_policy, ssd_cfg.selective_hits)
+        tiers.append(StoreTier(ssd, CODECS[ssd_cfg.compression], policy, ssd_cfg.ttl))
+    if config.redis.enabled:
+        rc = config.redis
+        redis = RedisTier(
+            rc.url,
+            rc.capacity,
+            key_prefix=rc.key_prefix,
+            ttl_s=rc.ttl or None,
+            pool_size=rc.pool_size,
+            timeout_s=rc.timeout,
+        )
+        policy = write_policy(rc.write_policy, rc.selective_hits)
+        tiers.append(StoreTier(redis, CODECS[rc.compression], policy, 0.0, shared=True))
+    return tiers

@@ -349,3 +349,32 @@ async def test_many_tasks_racing_eviction_never_see_wrong_bytes(make_store) -> N
         for node in store.index.nodes():
             block = await store.get(node.key)
             assert block is not None and block.payload == payloads[node.key]
+
+
+async def test_scheduler_aware_eviction_keeps_hinted_sessions(tmp_path: Path) -> None:
+    from kvstore.policies import SchedulerAwarePolicy
+
+    host = HostTier(3 * BLOCK, directory=tmp_path)
+    store = BlockStore(
+        [StoreTier(host, None, write_policy("write_through", 1))],
+        eviction=SchedulerAwarePolicy(),
+        high_watermark=1.0,
+        low_watermark=0.5,
+    )
+    async with store:
+        queued, idle = chain("queued", 1), chain("idle", 1)
+        await put_all(store, queued + idle)  # LRU order: queued, idle
+        # Step 1: the engine says the "queued" session runs next.
+        assert await store.prefetch(keys_of(queued)) == 1
+        assert store.policy.protected(queued[0][0])
+        # Step 2: pressure. Plain LRU would drop "queued" (the oldest); this drops "idle".
+        await put_all(store, chain("new1", 1) + chain("new2", 1))
+        assert (await store.lookup(keys_of(queued))).num_blocks == 1
+        assert (await store.lookup(keys_of(idle))).num_blocks == 0
+        # Step 3: with only hinted blocks left to go, a put finds no room rather than drop one.
+        held = store.pin(keys_of(chain("new1", 1)) + keys_of(chain("new2", 1)))
+        assert await put_all(store, chain("new3", 1)) == [PutStatus.NO_SPACE]
+        await store.release(held.lease_id)
+        # Step 4: its turn came (a read): plain LRU again.
+        await store.get(queued[0][0])
+        assert not store.policy.protected(queued[0][0])

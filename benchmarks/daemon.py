@@ -1,0 +1,625 @@
+"""Daemon throughput and lookup latency beside limits measured in the same run.
+
+    python benchmarks/daemon.py [--sizes 2MiB,32MiB] [--blocks N] [--rounds R]
+                                [--lookups L] [--json out.json]
+
+Starts a real daemon (``python -m kvstore serve --config <temp toml>``: a host arena on tmpfs
+sized for the run, SSD and Redis off, a unix socket in a temporary directory) and, as a second
+child process, this script's raw gRPC server (``--raw-server``). Then, with the real client,
+for every block size ``N`` blocks of KV-like bytes (``torch.randn`` float16) are moved as one
+key chain per call:
+
+- shm (``AsyncKVStoreClient(use_shm=True)``): ``put`` (Reserve, copy into the arena, Commit),
+  ``get`` into preallocated, pre-faulted ``out`` tensors (Acquire, copy, Release), and
+  ``view`` (Acquire, zero-copy views, Release; shown for information). Limit:
+  ``torch.Tensor.copy_`` of the same blocks between preallocated tensors (block i into region
+  i, region i into out i), the copy the client itself runs.
+- stream (``use_shm=False``): the Put and Get streams, ``get`` into the same ``out`` tensors.
+  Limit: the raw server on a unix socket, plain bytes messages (no protobuf) of the daemon's
+  ``chunk_bytes`` under its ``max_message_bytes``: a sink the same blocks are streamed to (one
+  ``bytes()`` per chunk, as any sender of user memory needs) and a source of pre-cut chunks,
+  each copied into the same ``out`` tensors.
+- lookup of a 128K-token chain (512 keys of 256-token blocks of a 1-layer, 1-head model: 8 KiB
+  blocks, put first) when the whole chain is held and when its first key misses: p50 and p99
+  of ``L`` calls. Limit: a raw unary echo of a request of the same size.
+
+Each throughput row is the median of ``R`` timed rounds after one untimed warm-up round; a
+round runs each op and its limit, alternating which goes first. Only the calls are timed:
+deleting the chain before a put and checking the bytes after a get run between them. Lookup
+calls take turns (held, miss, echo), after a few untimed calls of each. The machine line
+includes the load average before the run: other processes on the cores skew both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import torch
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.client import AsyncKVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
+from kvstore.config import load_config
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from tiers import (
+    GB,
+    MIB,
+    Row,
+    Step,
+    cells,
+    default_blocks,
+    expect,
+    format_size,
+    machine,
+    positive,
+    progress,
+    run_rounds,
+    sizes,
+)
+
+T = TypeVar("T")
+Timed = Callable[[], Awaitable[float]]  # one call, checked after its clock stops -> seconds
+
+TARGETS = {"shm": 0.5, "stream": 0.8}  # least op / limit throughput ratio, per data plane
+LOOKUP_P99_MS = 1.0
+LOOKUP_KEYS, LOOKUP_BLOCK_TOKENS = 512, 256  # a 128K-token chain
+WARM_UP_CALLS = 20
+RAW_SERVICE = "kvstore.bench.Raw"
+SOURCE_REQUEST = struct.Struct("<QQQ")  # blocks, block bytes, chunk bytes
+TOTAL = struct.Struct("<Q")
+KV_HEADS, HEAD_DIM = 8, 128  # Llama-3-8B-like heads: 4 KiB of float16 K+V per layer and token
+TOKEN_BYTES = 32 * 2 * KV_HEADS * HEAD_DIM * 2  # ... and 128 KiB for its 32 layers
+
+
+# Child processes ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def child(command: Sequence[str], log: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Runs ``command`` (output to ``log``); SIGTERM on exit, SIGKILL after 30 s."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    with log.open("ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env
+        )
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def serving(proc: asyncio.subprocess.Process, address: str, log: Path) -> None:
+    """Waits until the health service at ``address`` answers SERVING (a minute at most).
+
+    Raises:
+        RuntimeError: The process exited or did not serve in time (its log's tail included).
+    """
+    deadline = time.monotonic() + 60
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and proc.returncode is None:
+            with contextlib.suppress(grpc.RpcError):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            await asyncio.sleep(0.05)
+    tail = (await asyncio.to_thread(log.read_text, errors="replace"))[-4000:]
+    raise RuntimeError(f"{address} did not serve:\n{tail}")
+
+
+def daemon_config(socket: Path, arena_dir: Path, arena_bytes: int) -> str:
+    """A TOML config: host tier only, on a unix socket (sizes in MiB: the parser's units)."""
+    return "\n".join(
+        [
+            "[host]",
+            f'capacity = "{-(-arena_bytes // MIB)}MiB"',
+            f"directory = {json.dumps(str(arena_dir))}",
+            "[ssd]",
+            "enabled = false",
+            "[redis]",
+            "enabled = false",
+            "[server]",
+            f"listen = [{json.dumps(f'unix:{socket}')}]",
+            "",
+        ]
+    )
+
+
+def arena_parent() -> str | None:
+    """tmpfs for the arena, like a deployed daemon's ``/dev/shm`` (else the default temp dir)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+# The raw gRPC server (a child process of this script) ----------------------------------------
+
+
+def message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def raw_handler() -> grpc.GenericRpcHandler:
+    """Sink (a bytes stream in -> its length), Source (pre-cut chunks out) and Echo."""
+    cut: dict[tuple[int, int], list[bytes]] = {}  # (block bytes, chunk bytes) -> chunks
+
+    async def sink(requests: AsyncIterator[bytes], _context: object) -> bytes:
+        total = 0
+        async for chunk in requests:
+            total += len(chunk)
+        return TOTAL.pack(total)
+
+    async def source(request: bytes, _context: object) -> AsyncIterator[bytes]:
+        count, size, step = SOURCE_REQUEST.unpack(request)
+        if (size, step) not in cut:
+            data = os.urandom(size)
+            cut[size, step] = [data[i : i + step] for i in range(0, size, step)]
+        for _ in range(count):
+            for chunk in cut[size, step]:
+                yield chunk
+
+    async def echo(request: bytes, _context: object) -> bytes:
+        return request
+
+    return grpc.method_handlers_generic_handler(
+        RAW_SERVICE,
+        {
+            "Sink": grpc.stream_unary_rpc_method_handler(sink),
+            "Source": grpc.unary_stream_rpc_method_handler(source),
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+        },
+    )
+
+
+async def serve_raw(address: str, max_message_bytes: int) -> None:
+    """The raw server (and a health service) on ``address`` until SIGTERM."""
+    server = grpc.aio.server(options=message_limits(max_message_bytes))
+    server.add_generic_rpc_handlers([raw_handler()])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(address)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(1)
+
+
+class RawClient:
+    """The raw server's calls (bytes in, bytes out), with the same message-size limits."""
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=message_limits(max_message_bytes))
+        self.sink = self.channel.stream_unary(f"/{RAW_SERVICE}/Sink")
+        self.source = self.channel.unary_stream(f"/{RAW_SERVICE}/Source")
+        self.echo = self.channel.unary_unary(f"/{RAW_SERVICE}/Echo")
+
+
+# Blocks and timing -----------------------------------------------------------------------
+
+
+def model_for(size: int) -> ModelFingerprint:
+    """A model whose blocks are ``size`` bytes: Llama-3-8B-like (32 layers, 8 KV heads of 128,
+    float16; 2 MiB = 16 tokens, 32 MiB = 256) when ``size`` is a multiple of 128 KiB, else one
+    layer, one head and one token."""
+    if size % TOKEN_BYTES == 0:
+        return ModelFingerprint(
+            "bench-llama", 32, KV_HEADS, HEAD_DIM, "float16", block_tokens=size // TOKEN_BYTES
+        )
+    return ModelFingerprint("bench-flat", 1, 1, size // 4, "float16", block_tokens=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """``count`` blocks of one key chain, and where the limits copy them."""
+
+    namespace: Namespace
+    keys: list[bytes]
+    blocks: torch.Tensor  # [count, size] uint8, KV-like values
+    regions: torch.Tensor  # [count, size] uint8, pre-faulted: the memcpy limit's arena
+    out: torch.Tensor  # [count, size] uint8, pre-faulted: every get lands here
+
+    @classmethod
+    def random(cls, model: ModelFingerprint, count: int) -> Chain:
+        namespace = Namespace(model, tenant="bench")
+        size = model.layout().payload_bytes
+        tokens = torch.randint(0, 1 << 31, (count * model.block_tokens,)).tolist()
+        blocks = torch.randn(count, size // 2, dtype=torch.float16).view(torch.uint8)
+        regions, out = torch.ones(count, size, dtype=torch.uint8), torch.ones_like(blocks)
+        return cls(namespace, block_keys(tokens, namespace), blocks, regions, out)
+
+    @property
+    def size(self) -> int:
+        return self.blocks.shape[1]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blocks.numel()
+
+
+async def clocked(call: Awaitable[T]) -> tuple[T, float]:
+    start = time.perf_counter()
+    result = await call
+    return result, time.perf_counter() - start
+
+
+def paired(name: str, op: Timed, limit_name: str, limit: Timed) -> Step:
+    """One round of an op and its limit; every other round runs the limit first."""
+    turns = itertools.count()
+
+    async def step() -> dict[str, float]:
+        order = [(name, op), (limit_name, limit)]
+        return {n: await run() for n, run in (order[::-1] if next(turns) % 2 else order)}
+
+    return step
+
+
+# Data-plane ops ----------------------------------------------------------------------------
+
+
+def client_ops(client: AsyncKVStoreClient, chain: Chain) -> tuple[Timed, Timed]:
+    """``put`` of the chain (deleted first) and ``get`` of it into ``chain.out``."""
+    namespace, keys, count = chain.namespace, chain.keys, len(chain.keys)
+    blocks, outs, plane = list(chain.blocks), list(chain.out), client.data_plane
+
+    async def put() -> float:
+        await client.delete(namespace, keys)
+        statuses, spent = await clocked(client.put(namespace, keys, blocks))
+        expect(statuses == [WriteStatus.STORED] * count, f"{plane} put: {statuses}")
+        return spent
+
+    async def get() -> float:
+        chain.out.zero_()
+        found, spent = await clocked(client.get(namespace, keys, out=outs))
+        expect(len(found) == count, f"{plane} get found {len(found)} of {count} blocks")
+        expect(torch.equal(chain.out, chain.blocks), f"{plane} get returned other bytes")
+        return spent
+
+    return put, get
+
+
+def view_op(client: AsyncKVStoreClient, chain: Chain) -> Timed:
+    """``view`` of the chain: Acquire, one zero-copy view per block, Release."""
+
+    async def view() -> float:
+        start = time.perf_counter()
+        async with client.view(chain.namespace, chain.keys) as views:
+            found = len(views)
+        spent = time.perf_counter() - start
+        expect(found == len(chain.keys), f"view found {found} of {len(chain.keys)} blocks")
+        return spent
+
+    return view
+
+
+def memcpy_ops(chain: Chain) -> tuple[Timed, Timed]:
+    """``copy_`` of block i into region i, and of region i into out i."""
+
+    def copies(pairs: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]) -> Timed:
+        async def run() -> float:
+            start = time.perf_counter()
+            for dst, src in pairs():
+                dst.copy_(src)
+            return time.perf_counter() - start
+
+        return run
+
+    into = copies(lambda: zip(chain.regions, chain.blocks, strict=True))
+    out_of = copies(lambda: zip(chain.out, chain.regions, strict=True))
+    return into, out_of
+
+
+def raw_ops(raw: RawClient, chain: Chain, chunk_bytes: int) -> tuple[Timed, Timed]:
+    """The blocks' bytes streamed to the raw sink, and as many from the raw source into out."""
+    sources = [block.numpy().data for block in chain.blocks]
+    targets = [out.numpy().data for out in chain.out]
+
+    def chunks() -> Iterator[bytes]:
+        for data in sources:
+            for start in range(0, len(data), chunk_bytes):
+                yield bytes(data[start : start + chunk_bytes])
+
+    async def put() -> float:
+        reply, spent = await clocked(raw.sink(chunks()))
+        expect(TOTAL.unpack(reply)[0] == chain.total_bytes, "the raw sink lost bytes")
+        return spent
+
+    async def get() -> float:
+        start = time.perf_counter()
+        request = SOURCE_REQUEST.pack(len(targets), chain.size, chunk_bytes)
+        block = filled = 0
+        async for chunk in raw.source(request):
+            targets[block][filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+            if filled == chain.size:
+                block, filled = block + 1, 0
+        spent = time.perf_counter() - start
+        expect(block == len(targets), f"the raw source sent {block} of {len(targets)} blocks")
+        return spent
+
+    return put, get
+
+
+@dataclass(frozen=True, slots=True)
+class Clients:
+    shm: AsyncKVStoreClient
+    stream: AsyncKVStoreClient
+    raw: RawClient
+    chunk_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Versus:
+    """One row's op and its limit, before they are timed."""
+
+    path: str
+    op: str
+    run: Timed
+    limit_name: str
+    limit: Timed
+    target: float | None
+
+
+async def bench_size(clients: Clients, chain: Chain, rounds: int) -> list[Row]:
+    shm_put, shm_get = client_ops(clients.shm, chain)
+    stream_put, stream_get = client_ops(clients.stream, chain)
+    raw_put, raw_get = raw_ops(clients.raw, chain, clients.chunk_bytes)
+    copy_in, copy_out = memcpy_ops(chain)
+    memcpy = "torch copy_ into N buffers"
+    grpc_raw = f"grpc.aio bytes stream, {format_size(clients.chunk_bytes)} chunks"
+    shm, stream = TARGETS["shm"], TARGETS["stream"]
+    pairs = [
+        Versus("shm", "put", shm_put, memcpy, copy_in, shm),
+        Versus("shm", "get (out=)", shm_get, memcpy, copy_out, shm),
+        Versus("shm", "view (zero-copy)", view_op(clients.shm, chain), memcpy, copy_out, None),
+        Versus("stream", "put", stream_put, grpc_raw, raw_put, stream),
+        Versus("stream", "get (out=)", stream_get, grpc_raw, raw_get, stream),
+    ]
+    steps = [paired(f"op {i}", v.run, f"limit {i}", v.limit) for i, v in enumerate(pairs)]
+    timed = (await run_rounds(rounds, steps)).rounds
+    return [
+        Row(v.path, v.op, chain.size, len(chain.keys), rate(chain, timed[f"op {i}"]),
+            rate(chain, timed[f"limit {i}"]), v.limit_name, v.target)
+        for i, v in enumerate(pairs)
+    ]  # fmt: skip
+
+
+def rate(chain: Chain, seconds: Sequence[float]) -> float:
+    return chain.total_bytes / statistics.median(seconds) / GB
+
+
+# Lookup latency --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """Percentiles of one control-plane call beside a raw echo of the same request size."""
+
+    op: str
+    keys: int
+    calls: int
+    p50_ms: float
+    p99_ms: float
+    limit_p50_ms: float
+    limit_p99_ms: float
+    limit_name: str
+    target_p99_ms: float
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.p99_ms < self.target_p99_ms else "fail"
+
+
+async def bench_lookups(clients: Clients, calls: int) -> list[Latency]:
+    model = ModelFingerprint("bench-lookup", 1, 1, 8, "float16", block_tokens=LOOKUP_BLOCK_TOKENS)
+    chain = Chain.random(model, LOOKUP_KEYS)
+    other = Chain.random(model, LOOKUP_KEYS)  # same namespace, other tokens: misses at key 0
+    client, namespace = clients.shm, chain.namespace
+    statuses = await client.put(namespace, chain.keys, list(chain.blocks))
+    expect(statuses == [WriteStatus.STORED] * LOOKUP_KEYS, f"lookup chain put: {statuses}")
+    request = pb.LookupRequest(namespace=namespace.digest(), keys=chain.keys).SerializeToString()
+
+    def lookup(keys: list[bytes], expected: int) -> Timed:
+        async def call() -> float:
+            found, spent = await clocked(client.lookup(namespace, keys))
+            expect(found == expected, f"lookup found {found}, expected {expected}")
+            return spent
+
+        return call
+
+    async def echo() -> float:
+        reply, spent = await clocked(clients.raw.echo(request))
+        expect(len(reply) == len(request), "the raw echo lost bytes")
+        return spent
+
+    ops = {"chain held": lookup(chain.keys, LOOKUP_KEYS), "miss": lookup(other.keys, 0)}
+    with progress(f"lookup x {calls}"):
+        seconds = await taking_turns({**ops, "echo": echo}, calls)
+    await client.delete(namespace, chain.keys)
+    echo_name = f"grpc.aio unary echo, {format_size(len(request))}"
+    limit = percentiles_ms(seconds["echo"])
+    return [
+        Latency(f"lookup ({name})", LOOKUP_KEYS, calls, *percentiles_ms(seconds[name]), *limit,
+                echo_name, LOOKUP_P99_MS)
+        for name in ops
+    ]  # fmt: skip
+
+
+async def taking_turns(ops: dict[str, Timed], calls: int) -> dict[str, list[float]]:
+    """Seconds of ``calls`` calls of each op, one of each in turn, after a few untimed ones."""
+    seconds: dict[str, list[float]] = {name: [] for name in ops}
+    for turn in range(WARM_UP_CALLS + calls):
+        for name, op in ops.items():
+            spent = await op()
+            if turn >= WARM_UP_CALLS:
+                seconds[name].append(spent)
+    return seconds
+
+
+def percentiles_ms(seconds: Sequence[float]) -> tuple[float, float]:
+    cuts = statistics.quantiles(seconds, n=100, method="inclusive")
+    return cuts[49] * 1e3, cuts[98] * 1e3
+
+
+# Running and reporting -------------------------------------------------------------------
+
+
+async def bench_all(
+    args: argparse.Namespace, scratch: Path, arena_dir: Path
+) -> tuple[list[Row], list[Latency]]:
+    counts = {size: args.blocks or default_blocks(size) for size in args.sizes}
+    arena_bytes = 2 * max(size * count for size, count in counts.items()) + 64 * MIB
+    config, sock, raw_sock = (
+        scratch / name for name in ("kvstore.toml", "kvstore.sock", "raw.sock")
+    )
+    config.write_text(daemon_config(sock, arena_dir, arena_bytes))
+    limit = load_config(config).server.max_message_bytes
+    serve = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
+    serve += ["--log-level", "warning"]
+    raw_server = [sys.executable, __file__, "--raw-server", f"unix:{raw_sock}"]
+    raw_server += ["--max-message-bytes", str(limit)]
+    logs = scratch / "daemon.log", scratch / "raw.log"
+    # Both children start before this process opens a channel: gRPC warns of forks after.
+    async with child(serve, logs[0]) as daemon, child(raw_server, logs[1]) as raw_server_proc:
+        await serving(daemon, f"unix:{sock}", logs[0])
+        await serving(raw_server_proc, f"unix:{raw_sock}", logs[1])
+        async with (
+            AsyncKVStoreClient(f"unix:{sock}", use_shm=True, timeout=60) as shm,
+            AsyncKVStoreClient(f"unix:{sock}", use_shm=False, timeout=60) as stream,
+        ):
+            expect(shm.data_plane == "shm", "the client did not map the daemon's arena")
+            raw = RawClient(f"unix:{raw_sock}", limit)
+            try:
+                clients = Clients(shm, stream, raw, shm.server_info.chunk_bytes)
+                rows = await bench_sizes(clients, counts, args.rounds)
+                return rows, await bench_lookups(clients, args.lookups)
+            finally:
+                await raw.channel.close()
+
+
+async def bench_sizes(clients: Clients, counts: dict[int, int], rounds: int) -> list[Row]:
+    rows: list[Row] = []
+    for size, count in counts.items():
+        with progress(f"{format_size(size)} x {count}"):
+            chain = Chain.random(model_for(size), count)
+            rows += await bench_size(clients, chain, rounds)
+            await clients.shm.delete(chain.namespace, chain.keys)
+    return rows
+
+
+def table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table with padded columns; numeric columns align right."""
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    right = [name in NUMERIC for name in header]
+    rule = ["-" * (w - 1) + (":" if r else "-") for w, r in zip(widths, right, strict=True)]
+
+    def line(values: Sequence[str]) -> str:
+        cols = zip(values, widths, right, strict=True)
+        return "| " + " | ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in cols) + " |"
+
+    return [line(values) for values in [header, rule, *body]]
+
+
+THROUGHPUT = ("path", "op", "block size", "blocks", "GB/s", "limit GB/s", "limit name", "ratio",
+              "target", "pass/fail")  # fmt: skip
+LATENCY = ("op", "keys", "calls", "p50 ms", "p99 ms", "limit p50 ms", "limit p99 ms",
+           "limit name", "target", "pass/fail")  # fmt: skip
+NUMERIC = {"blocks", "GB/s", "limit GB/s", "ratio", "target", "keys", "calls", "p50 ms", "p99 ms",
+           "limit p50 ms", "limit p99 ms"}  # fmt: skip
+
+
+def latency_cells(row: Latency) -> tuple[str, ...]:
+    numbers = (row.p50_ms, row.p99_ms, row.limit_p50_ms, row.limit_p99_ms)
+    return (row.op, str(row.keys), str(row.calls), *(f"{n:.3f}" for n in numbers),
+            row.limit_name, f"p99 < {row.target_p99_ms:g} ms", row.verdict)  # fmt: skip
+
+
+def render(rows: Sequence[Row], latencies: Sequence[Latency], about: dict[str, str]) -> str:
+    return "\n".join(
+        [
+            "machine: " + ", ".join(f"{key} {value}" for key, value in about.items()),
+            "method: median of timed rounds after 1 warm-up round, one call per chain of N"
+            " blocks; GB/s = 1e9 bytes/s",
+            "",
+            *table(THROUGHPUT, [cells(row) for row in rows]),
+            "",
+            *table(LATENCY, [latency_cells(row) for row in latencies]),
+        ]
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Daemon throughput beside memcpy and raw gRPC; lookup latency."
+    )
+    parser.add_argument("--sizes", default="2MiB,32MiB", type=sizes, help="default %(default)s")
+    parser.add_argument("--blocks", type=positive, help="per size (default: 512 MiB, 16..64)")
+    parser.add_argument("--rounds", type=positive, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--lookups", type=positive, default=500, help="calls (default 500)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--raw-server", help=argparse.SUPPRESS)  # the child process's mode
+    parser.add_argument("--max-message-bytes", type=positive, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if odd := [size for size in args.sizes if size % 4]:
+        parser.error(f"block sizes must be multiples of 4 bytes, got {odd}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.raw_server:
+        uvloop.run(serve_raw(args.raw_server, args.max_message_bytes))
+        return 0
+    about = {key: value for key, value in machine().items() if key != "redis"}
+    about |= {"grpc": grpc.__version__, "load avg": f"{os.getloadavg()[0]:.2f}"}
+    scratch = Path(tempfile.mkdtemp(prefix="kvs-bench-"))  # short: a unix socket path
+    arena_dir = Path(tempfile.mkdtemp(prefix="kvs-bench-", dir=arena_parent()))
+    try:
+        rows, latencies = uvloop.run(bench_all(args, scratch, arena_dir))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(arena_dir, ignore_errors=True)
+    print(render(rows, latencies, about))
+    if args.json:
+        report = {
+            "machine": about,
+            "rounds": args.rounds,
+            "rows": [as_json(row) for row in rows],
+            "latencies": [{**asdict(row), "pass_fail": row.verdict} for row in latencies],
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def as_json(row: Row) -> dict[str, object]:
+    fields = asdict(row)
+    return {"path": fields.pop("tier"), **fields, "ratio": row.ratio, "pass_fail": row.verdict}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
