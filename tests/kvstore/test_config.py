@@ -84,7 +84,10 @@ def test_environment_overrides_file_and_flags_override_environment(tmp_path: Pat
         ('[redis]\npool_size = "many"\n', r"redis\.pool_size: expected an integer, got 'many'"),
         ('[ssd]\nwrite_policy = "sometimes"\n', r"ssd\.write_policy must be one of .*'sometimes'"),
         ('[ssd]\ncompression = "zstd"\n', r"ssd\.compression must be one of .*'zstd'"),
-        ('[eviction]\npolicy = "fifo"\n', r"eviction\.policy must be one of lru, scheduler_aware; got 'fifo'"),
+        (
+            '[eviction]\npolicy = "fifo"\n',
+            r"eviction\.policy must be one of lru, scheduler_aware; got 'fifo'",
+        ),
         ("[eviction]\nlow_watermark = 0.99\n", r"low_watermark=0\.99 high_watermark=0\.95"),
         ("[ssd]\nselective_hits = 0\n", r"ssd\.selective_hits must be >= 1, got 0"),
         ("ssd = 3\n", r"section 'ssd' must be a table, got 3"),
