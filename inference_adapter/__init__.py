@@ -1,5 +1,10 @@
-"""Engine side: Llama-family model, paged KV pool, store connector, chat sessions."""
+"""Engine side: Llama-family model, paged KV pool, store connector, chat sessions.
 
+The Hugging Face bridge (``kvstore.inference_adapter.hf_bridge``) is imported on its own: it
+needs ``transformers``, which the engine does not.
+"""
+
+from kvstore.inference_adapter.connector import ConnectorStats, StoreConnector, namespace_for
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import (
     KVConnector,
@@ -10,9 +15,14 @@ from kvstore.inference_adapter.interfaces import (
 )
 from kvstore.inference_adapter.model import LlamaModel, load_model
 from kvstore.inference_adapter.pages import PageAllocator
+from kvstore.inference_adapter.sessions import ByteTokenizer, ChatServer, ChatSession, plan_turn
 from kvstore.inference_adapter.weights import LlamaConfig, read_config
 
 __all__ = [
+    "ByteTokenizer",
+    "ChatServer",
+    "ChatSession",
+    "ConnectorStats",
     "Engine",
     "KVConnector",
     "LlamaConfig",
@@ -22,6 +32,9 @@ __all__ = [
     "Request",
     "ReusedBlock",
     "SamplingParams",
+    "StoreConnector",
     "load_model",
+    "namespace_for",
+    "plan_turn",
     "read_config",
 ]

@@ -6,6 +6,8 @@
   ``KVSTORE_HOST__CAPACITY`` names a size.
 - ``kvstore stats [--address ADDR | --config FILE] [--token T] [--json]`` prints tier
   usage, hit rates and leases in flight (``--token`` defaults to ``$KVSTORE_TOKEN``).
+- ``kvstore chat [...]`` runs the scripted multi-turn chat demo
+  (:mod:`kvstore.inference_adapter.demo`); its module, and torch, load only for it.
 
 This is the entry point: the only place that installs uvloop.
 """
@@ -15,10 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.config import Config, ConfigError, load_config
 from kvstore.protos.kvstore.v1 import kvstore_pb2
@@ -30,6 +33,11 @@ log = logging.getLogger("kvstore")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``kvstore`` command; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    delegated = {name: module for name, module, _ in _DELEGATED}
+    if argv and argv[0] in delegated:  # its own parser takes every argument, --help included
+        command: Callable[[list[str]], int] = importlib.import_module(delegated[argv[0]]).main
+        return command(argv[1:])
     args = _parser().parse_args(argv)
     try:
         status: int = args.run(args)
@@ -59,7 +67,20 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print the StatsResponse as JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     stats.set_defaults(run=_stats)
+    # The engine-side commands load torch; ``main`` hands them their arguments untouched and
+    # imports their modules only when they run. Listed here for ``kvstore --help``.
+    for name, _, summary in _DELEGATED:
+        commands.add_parser(name, help=summary, add_help=False)
     return parser
+
+
+_DELEGATED = [
+    (
+        "chat",
+        "kvstore.inference_adapter.demo",
+        "scripted multi-turn chat on a small random model: TTFT with the store vs recompute",
+    ),
+]
 
 
 def serve_config(path: str | None, listen: Sequence[str] | None) -> Config:

@@ -126,9 +126,16 @@ class ModelFingerprint:
             ValueError: A needed field is missing or malformed.
         """
         heads = _config_int(config, "num_attention_heads")
-        scaling = config.get("rope_scaling") or {}
+        # Older configs: rope_theta + rope_scaling; transformers 5: both in rope_parameters.
+        scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if not isinstance(scaling, Mapping):
             raise ValueError(f"rope_scaling must be a mapping, got {scaling!r}")
+        scaling = dict(scaling)
+        theta = scaling.pop("rope_theta", None)
+        if set(scaling) <= {"rope_type", "type"} and scaling.get(
+            "rope_type", scaling.get("type", "default")
+        ) in ("default", None):
+            scaling = {}  # plain RoPE, however the config spells it
         return cls(
             model_name=model_name,
             num_layers=_config_int(config, "num_hidden_layers"),
@@ -136,7 +143,9 @@ class ModelFingerprint:
             head_dim=_config_int(config, "head_dim", _config_int(config, "hidden_size") // heads),
             dtype=dtype,
             block_tokens=block_tokens,
-            rope_theta=_config_float(config, "rope_theta", 10000.0),
+            rope_theta=float(theta)
+            if isinstance(theta, int | float)
+            else _config_float(config, "rope_theta", 10000.0),
             rope_scaling=tuple(
                 (str(name), _scaling_value(value)) for name, value in scaling.items()
             ),

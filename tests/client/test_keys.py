@@ -241,3 +241,32 @@ def test_a_long_prompt_is_keyed_in_well_under_ten_milliseconds() -> None:
 
     assert len(keys) == 512
     assert best < 0.010
+
+
+def test_fingerprint_reads_old_and_new_hf_rope_spellings() -> None:
+    base = {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+    }
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    old = {**base, "rope_theta": 500000.0, "rope_scaling": llama3}
+    new = {**base, "rope_parameters": {**llama3, "rope_theta": 500000.0}}
+    make = ModelFingerprint.from_hf_config
+    a = make(old, model_name="llama-3-8b", dtype="bfloat16")
+    b = make(new, model_name="llama-3-8b", dtype="bfloat16")
+    assert a == b and a.rope_theta == 500000.0 and dict(a.rope_scaling)["factor"] == 8.0
+    plain_old = make({**base, "rope_theta": 10000.0}, model_name="m", dtype="float16")
+    plain_new = make(
+        {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        model_name="m",
+        dtype="float16",
+    )
+    assert plain_old.digest() == plain_new.digest() and plain_new.rope_scaling == ()

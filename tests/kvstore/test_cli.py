@@ -180,3 +180,10 @@ def test_serve_stats_and_sigterm(tmp_path: Path, sock_dir: Path) -> None:
             return None if block is None else block.payload
 
     assert asyncio.run(reopen()) == payload
+
+
+def test_chat_command_is_delegated_lazily(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chat", "--help"])
+    assert exit_info.value.code == 0
+    assert "--address" in capsys.readouterr().out

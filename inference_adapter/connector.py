@@ -1,0 +1,390 @@
+"""The store connector: the engine's paged pool <-> the kvstore daemon (``KVConnector``).
+
+Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfaces`):
+
+1. ``num_loadable_tokens``: block keys of the prompt (``block_keys``), one ``lookup_tiers``
+   call; the answer is the held leading blocks, capped so at least one prompt token is
+   computed. A request with a ``reuse`` plan (a truncated chat) looks up the plan's keys
+   instead: KV computed at other positions, placed at the plan's. A daemon that cannot be
+   reached answers 0 (counted in ``lookup_errors``), never an exception.
+2. ``start_load``: a :class:`~kvstore.inference_adapter.loader.LayerLoad` on a worker thread
+   fetches those blocks and writes them into the request's first pages layer by layer,
+   rotating K to the positions the tokens occupy now; ``request.loaded_from`` counts the
+   blocks by the tier they were found in.
+3. ``wait_for_layer_load``: layer ``i`` is in the pool (``True``), or the load failed or
+   timed out (``False``, and the loader no longer touches the pool: the engine recomputes).
+4. ``save``: the full blocks of ``tokens[:num_tokens]`` the store does not hold yet (neither
+   found at lookup nor saved earlier by this request) are gathered from the pool with K
+   un-rotated and offered to the bounded :class:`~kvstore.inference_adapter.saver.SaveQueue`;
+   when it is full the blocks are dropped and counted in ``dropped_saves``.
+5. ``request_finished``: cancels a load still running and forgets the request.
+
+Besides the protocol: ``prefetch`` (a look-ahead hint for a queued session, sent now) and
+``prefetch_after_next_load`` (sent once the next request's own blocks are leased, so the
+promotion cannot evict them), ``wait_for_saves``, ``stats`` and ``close``. The connector
+needs ``page_tokens == block_tokens``: a page is a block. On CUDA the layer copies run on a
+side stream (see :mod:`~kvstore.inference_adapter.loader`); that path is not exercised by the
+CPU test suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.inference_adapter.interfaces import Request
+from kvstore.inference_adapter.loader import (
+    LayerLoad,
+    PoolHandles,
+    block_positions,
+    block_slots,
+    staging_for,
+)
+from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue
+from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.kernels import RopeTables, save_blocks
+
+__all__ = ["ConnectorStats", "StoreConnector", "namespace_for"]
+
+log = logging.getLogger(__name__)
+
+
+def namespace_for(
+    config: LlamaConfig,
+    *,
+    model_name: str,
+    block_tokens: int,
+    dtype: torch.dtype | None = None,
+    tenant: str = "",
+) -> Namespace:
+    """The namespace of a Llama model's KV: one fingerprint for the engine and the HF bridge.
+
+    Args:
+        config: The architecture (``engine.config``, or ``LlamaConfig.from_dict`` of a
+            transformers config).
+        model_name: Names the weights alike on every node (a hub id, not a local path).
+        block_tokens: Tokens per block (the engine's ``page_tokens``).
+        dtype: The KV dtype; ``config.dtype`` when None.
+        tenant: The tenant salt.
+    """
+    scaling = config.rope.scaling
+    rope_scaling: tuple[tuple[str, str | float], ...] = ()
+    if scaling is not None:
+        rope_scaling = (
+            ("rope_type", "llama3"),
+            ("factor", scaling.factor),
+            ("low_freq_factor", scaling.low_freq_factor),
+            ("high_freq_factor", scaling.high_freq_factor),
+            ("original_max_position_embeddings", float(scaling.original_max_position_embeddings)),
+        )
+    fingerprint = ModelFingerprint(
+        model_name=model_name,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=str(dtype or config.dtype).removeprefix("torch."),
+        block_tokens=block_tokens,
+        rope_theta=config.rope.theta,
+        rope_scaling=rope_scaling,
+    )
+    return Namespace(fingerprint, tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorStats:
+    """What the connector did so far, in blocks unless named otherwise."""
+
+    lookups: int  # requests looked up
+    lookup_errors: int  # lookups that failed (daemon unreachable, ...): answered 0
+    loaded_blocks: int  # blocks whose load started
+    failed_loads: int  # loads that failed or timed out (the engine recomputed)
+    queued_saves: int  # blocks offered to the save queue and taken
+    dropped_saves: int  # blocks not saved because the queue was full
+    saves: SaveCounts  # what the daemon answered for the blocks put so far
+    prefetch_errors: int
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A request's admission decision and what it has told the store since."""
+
+    load_keys: list[bytes] = field(default_factory=list)  # blocks to load, in position order
+    tiers: tuple[str, ...] = ()  # per load key, the tier it was found in
+    known: set[bytes] = field(default_factory=set)  # keys the store holds or was handed
+    load: LayerLoad | None = None
+
+
+class StoreConnector:
+    """Moves KV between an engine's paged pool and a kvstore daemon; see the module docstring.
+
+    Args:
+        client: A connected blocking client (give it few retries and a short timeout: a
+            lookup is on the admission path).
+        namespace: The model and tenant; its fingerprint must match the pool.
+        kv_pool: The engine's pool ``[num_layers, 2, num_pages, page_tokens, kv_heads, head_dim]``.
+        page_tokens: Tokens per page; must equal ``namespace.model.block_tokens``.
+        rope_tables: The engine's RoPE tables (on the pool's device).
+        save_queue_size: Most blocks waiting to be saved; more are dropped and counted.
+        load_timeout_s: How long a request's load may take before the engine recomputes.
+        load_workers: Loads running at once (one thread each).
+
+    Raises:
+        ValueError: ``page_tokens`` differs from ``block_tokens``, or the pool does not
+            match the namespace's fingerprint (the message names both values).
+    """
+
+    def __init__(
+        self,
+        client: KVStoreClient,
+        namespace: Namespace,
+        *,
+        kv_pool: torch.Tensor,
+        page_tokens: int,
+        rope_tables: RopeTables,
+        save_queue_size: int = 64,
+        load_timeout_s: float = 10.0,
+        load_workers: int = 2,
+    ) -> None:
+        self._pool = PoolHandles(kv_pool, page_tokens, rope_tables)
+        _check_pool(namespace, self._pool)
+        if load_timeout_s <= 0:
+            raise ValueError(f"load_timeout_s must be positive, got {load_timeout_s}")
+        self.client = client
+        self.namespace = namespace
+        self.block_tokens = page_tokens
+        self.load_timeout_s = load_timeout_s
+        self._plans: dict[str, _Plan] = {}
+        self._saves = SaveQueue(client, namespace, save_queue_size)
+        self._loads = ThreadPoolExecutor(load_workers, thread_name_prefix="kvstore-load")
+        self._counts = Counter[str]()
+        self._counts_lock = threading.Lock()
+        self._deferred_hints: list[tuple[str, list[list[bytes]]]] = []
+        self._hints_lock = threading.Lock()
+
+    @property
+    def pool(self) -> PoolHandles:
+        """The engine's pool, page size and RoPE tables this connector reads and writes."""
+        return self._pool
+
+    # KVConnector -------------------------------------------------------------------------
+
+    def num_loadable_tokens(self, request: Request) -> int:
+        """Leading prompt tokens the store can provide (whole blocks, < ``len(prompt)``)."""
+        self._count("lookups")
+        request.loaded_from = {}
+        candidates = self._candidates(request)
+        try:
+            found = self.client.lookup_tiers(self.namespace, candidates)
+        except Exception:
+            log.warning(
+                "lookup of request %s failed; computing it", request.request_id, exc_info=True
+            )
+            self._count("lookup_errors")
+            self._plans[request.request_id] = _Plan()
+            return 0
+        held = candidates[: found.num_blocks]
+        usable = min(len(held), (len(request.prompt) - 1) // self.block_tokens)
+        self._plans[request.request_id] = _Plan(
+            load_keys=held[:usable], tiers=found.tiers[:usable], known=set(held)
+        )
+        if not usable:
+            self._hints_in_background()  # nothing of this request's to protect
+        return usable * self.block_tokens
+
+    def start_load(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
+        """Starts loading the first ``num_tokens // page_tokens`` blocks into ``pages``."""
+        plan = self._plans.setdefault(request.request_id, _Plan())
+        num_blocks = min(num_tokens // self.block_tokens, len(plan.load_keys))
+        if num_blocks == 0:
+            return
+        blocks = range(num_blocks)
+        device = self._pool.kv_pool.device
+        plan.load = LayerLoad(
+            self.client,
+            self.namespace,
+            self._pool,
+            plan.load_keys[:num_blocks],
+            block_slots(pages, blocks, self._pool),
+            block_positions([b * self.block_tokens for b in blocks], self.block_tokens, device),
+            deadline=time.monotonic() + self.load_timeout_s,
+            on_fetched=self._hints_in_background,
+        )
+        request.loaded_from = dict(Counter(plan.tiers[:num_blocks]))
+        self._count("loaded_blocks", num_blocks)
+        self._loads.submit(plan.load.run)
+
+    def wait_for_layer_load(self, request: Request, layer: int) -> bool:
+        """``True`` once layer ``layer`` of the load is in the pool (or nothing is loading)."""
+        plan = self._plans.get(request.request_id)
+        if plan is None or plan.load is None:
+            return True
+        if plan.load.wait(layer):
+            return True
+        if request.loaded_from:
+            self._count("failed_loads")
+            request.loaded_from = {}
+            plan.known.difference_update(plan.load_keys)  # maybe gone: save the recompute
+        return False
+
+    def save(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
+        """Queues the new full blocks of ``(prompt + output)[:num_tokens]``; never waits."""
+        plan = self._plans.setdefault(request.request_id, _Plan())
+        tokens = (request.prompt + request.output)[:num_tokens]
+        keys = block_keys(tokens, self.namespace)
+        new = [b for b, key in enumerate(keys) if key not in plan.known]
+        for run in _runs(new):
+            if not self._saves.has_room(len(run)):
+                self._count("dropped_saves", len(run))
+                continue
+            job = SaveJob(
+                keys=tuple(keys[b] for b in run),
+                parent=keys[run[0] - 1] if run[0] else ROOT_KEY,
+                blocks=self._gather(pages, run),
+            )
+            if self._saves.offer(job):
+                plan.known.update(job.keys)
+                self._count("queued_saves", len(run))
+            else:
+                self._count("dropped_saves", len(run))
+
+    def request_finished(self, request: Request) -> None:
+        """Forgets the request; a load still running is cancelled first."""
+        plan = self._plans.pop(request.request_id, None)
+        if plan is not None and plan.load is not None:
+            plan.load.cancel()
+
+    # Beyond the protocol -------------------------------------------------------------------
+
+    def prefetch(self, session_id: str, chains: Sequence[Sequence[bytes]]) -> int:
+        """Tells the daemon a session runs soon (its chains move up to the host tier).
+
+        Returns:
+            Blocks the daemon queued for promotion; 0 when it cannot be reached.
+        """
+        try:
+            return self.client.prefetch(session_id, self.namespace, chains)
+        except Exception:
+            log.warning("prefetch hint for session %s failed", session_id, exc_info=True)
+            self._count("prefetch_errors")
+            return 0
+
+    def prefetch_after_next_load(self, session_id: str, chains: Sequence[Sequence[bytes]]) -> None:
+        """Sends a prefetch hint once the next admitted request's own blocks are leased.
+
+        Promoting a queued session's blocks may evict others from the host tier; sent after
+        the running request's blocks are leased (or at its admission when it loads nothing),
+        the hint cannot push out the blocks that request is about to load.
+        """
+        with self._hints_lock:
+            self._deferred_hints.append((session_id, [list(chain) for chain in chains]))
+
+    def _hints_in_background(self) -> None:
+        """Sends the deferred hints from a worker thread: never on the engine's or a load's
+        critical path."""
+        with contextlib.suppress(RuntimeError):  # the connector is closed
+            self._loads.submit(self._send_deferred_hints)
+
+    def _send_deferred_hints(self) -> None:
+        with self._hints_lock:
+            hints, self._deferred_hints = self._deferred_hints, []
+        for session_id, chains in hints:
+            self.prefetch(session_id, chains)
+
+    def wait_for_saves(self, timeout: float | None = None) -> bool:
+        """Waits until every save queued so far reached the daemon; ``False`` on timeout."""
+        return self._saves.drain(timeout)
+
+    @property
+    def dropped_saves(self) -> int:
+        """Blocks not saved because the save queue was full."""
+        return self._counts["dropped_saves"]
+
+    def stats(self) -> ConnectorStats:
+        with self._counts_lock:
+            c = self._counts.copy()
+        return ConnectorStats(
+            lookups=c["lookups"],
+            lookup_errors=c["lookup_errors"],
+            loaded_blocks=c["loaded_blocks"],
+            failed_loads=c["failed_loads"],
+            queued_saves=c["queued_saves"],
+            dropped_saves=c["dropped_saves"],
+            saves=self._saves.counts,
+            prefetch_errors=c["prefetch_errors"],
+        )
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Cancels loads, puts the saves already queued (within ``timeout``), stops threads."""
+        for plan in list(self._plans.values()):
+            if plan.load is not None:
+                plan.load.cancel()
+        self._loads.shutdown(wait=True, cancel_futures=True)
+        self._saves.close(timeout)
+
+    # Helpers -----------------------------------------------------------------------------
+
+    def _candidates(self, request: Request) -> list[bytes]:
+        """Keys whose leading held run may be loaded at positions 0, block, 2 * block, ..."""
+        if not request.reuse:
+            return block_keys(request.prompt, self.namespace)
+        keys: list[bytes] = []
+        for index, block in enumerate(request.reuse):
+            if block.position != index * self.block_tokens:
+                break  # loads fill a prefix of the pages; a gap ends the usable plan
+            keys.append(block.key)
+        return keys
+
+    def _gather(self, pages: Sequence[int], blocks: Sequence[int]) -> torch.Tensor:
+        """Blocks of the pool as the store lays them out, K un-rotated (pre-RoPE)."""
+        device = self._pool.kv_pool.device
+        staging = staging_for(self.namespace, len(blocks), device)
+        starts = [b * self.block_tokens for b in blocks]
+        save_blocks(
+            self._pool.kv_pool,
+            staging,
+            block_slots(pages, blocks, self._pool),
+            block_positions(starts, self.block_tokens, device),
+            self._pool.rope,
+        )
+        return staging
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] += amount
+
+
+def _runs(indices: Sequence[int]) -> list[list[int]]:
+    """Consecutive runs of sorted block indices: [0, 1, 3] -> [[0, 1], [3]]."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def _check_pool(namespace: Namespace, pool: PoolHandles) -> None:
+    model = namespace.model
+    if pool.page_tokens != model.block_tokens:
+        raise ValueError(
+            f"page_tokens ({pool.page_tokens}) must equal the namespace's block_tokens "
+            f"({model.block_tokens}): the connector moves whole pages as blocks"
+        )
+    num_layers, _, _, _, kv_heads, head_dim = pool.kv_pool.shape
+    expected = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+    found = (num_layers, kv_heads, head_dim, str(pool.kv_pool.dtype).removeprefix("torch."))
+    if found != expected:
+        raise ValueError(
+            f"kv_pool (layers, kv_heads, head_dim, dtype) = {found} does not match the "
+            f"namespace's fingerprint {expected}"
+        )

@@ -1,0 +1,129 @@
+"""The bounded save queue: new blocks go to the daemon without ever blocking the engine.
+
+The connector gathers a request's new full blocks from the pool (K un-rotated) into a staging
+tensor and offers it here as a :class:`SaveJob`. A background thread ``put``s jobs in order.
+The queue holds at most ``capacity`` blocks: an offer that does not fit is refused at once
+(the connector counts the blocks as dropped) rather than waiting for room, so a slow or
+absent daemon costs the engine nothing but cache misses later.
+
+Primitives: ``has_room(n)`` -> bool, ``offer(job)`` -> bool (refused when full), ``drain(timeout)``
+-> bool (everything offered so far was handled), ``close()``; counters in :class:`SaveCounts`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.client import KVStoreClient, Namespace, WriteStatus
+
+__all__ = ["SaveCounts", "SaveJob", "SaveQueue"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJob:
+    """A contiguous run of a key chain and its blocks."""
+
+    keys: tuple[bytes, ...]
+    parent: bytes  # the key before keys[0] (ROOT_KEY for block 0)
+    blocks: torch.Tensor  # [len(keys), num_layers, 2, num_kv_heads, block_tokens, head_dim]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveCounts:
+    """Blocks by what became of them once put."""
+
+    stored: int
+    dedup: int
+    refused: int  # NO_SPACE or EXPIRED at the daemon
+    failed: int  # the put raised (daemon down, ...)
+
+
+class SaveQueue:
+    """A bounded FIFO of save jobs served by one background thread.
+
+    Args:
+        client: The daemon's client.
+        namespace: The model and tenant of every job.
+        capacity: Most blocks waiting or being put at once (>= 1).
+    """
+
+    def __init__(self, client: KVStoreClient, namespace: Namespace, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"save queue capacity must be >= 1 block, got {capacity}")
+        self._client = client
+        self._namespace = namespace
+        self.capacity = capacity
+        self._jobs: collections.deque[SaveJob | None] = collections.deque()
+        self._pending_blocks = 0  # queued + in the put now
+        self._changed = threading.Condition()
+        self._counts = collections.Counter[str]()
+        self._thread = threading.Thread(target=self._serve, name="kvstore-save", daemon=True)
+        self._thread.start()
+
+    @property
+    def counts(self) -> SaveCounts:
+        with self._changed:
+            c = self._counts
+            return SaveCounts(c["stored"], c["dedup"], c["refused"], c["failed"])
+
+    def has_room(self, num_blocks: int) -> bool:
+        """Whether an offer of ``num_blocks`` would be taken now."""
+        with self._changed:
+            return self._fits(num_blocks)
+
+    def offer(self, job: SaveJob) -> bool:
+        """Queues ``job`` if it fits (never waits); ``False`` when refused."""
+        with self._changed:
+            if not self._fits(len(job.keys)):
+                return False
+            self._pending_blocks += len(job.keys)
+            self._jobs.append(job)
+            self._changed.notify_all()
+            return True
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Waits until every job offered so far is handled; ``False`` on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._pending_blocks == 0, timeout)
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Puts what is queued (within ``timeout``), then stops the thread."""
+        with self._changed:
+            self._jobs.append(None)
+            self._changed.notify_all()
+        self._thread.join(timeout)
+
+    def _fits(self, num_blocks: int) -> bool:
+        # A job larger than the whole queue is still taken when the queue is empty.
+        return self._pending_blocks == 0 or self._pending_blocks + num_blocks <= self.capacity
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._jobs))
+                job = self._jobs.popleft()
+            if job is None:
+                return
+            outcome = self._put(job)
+            with self._changed:
+                self._counts.update(outcome)
+                self._pending_blocks -= len(job.keys)
+                self._changed.notify_all()
+
+    def _put(self, job: SaveJob) -> collections.Counter[str]:
+        try:
+            statuses = self._client.put(
+                self._namespace, job.keys, list(job.blocks), parent=job.parent
+            )
+        except Exception:
+            log.warning("saving %d blocks failed", len(job.keys), exc_info=True)
+            return collections.Counter(failed=len(job.keys))
+        names = {WriteStatus.STORED: "stored", WriteStatus.DEDUP: "dedup"}
+        return collections.Counter(names.get(status, "refused") for status in statuses)

@@ -1,0 +1,316 @@
+"""The store connector with a real daemon and a real (tiny, random) model.
+
+Each scenario runs chat turns through an engine whose connector talks to a ``kvstore serve``
+child process, and compares the answers with an engine that recomputes every prompt and with
+transformers' ``LlamaForCausalLM.generate`` on the same weights. Faults (a slow layer copy,
+a stuck daemon put, a daemon killed between lookup and load) are injected by wrapping one
+function each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient, Namespace, block_keys
+from kvstore.inference_adapter import loader
+from kvstore.inference_adapter.connector import StoreConnector, namespace_for
+from kvstore.inference_adapter.engine import Engine
+from kvstore.inference_adapter.interfaces import Request, SamplingParams
+from kvstore.inference_adapter.model import LlamaModel, load_model
+from kvstore.inference_adapter.sessions import ChatServer
+from kvstore.kernels import apply_rope
+from tests.inference_adapter.conftest import hf_model, tiny_config
+from tests.support.daemon import Daemon, running_daemon
+
+PAGE = 16
+SAMPLING = SamplingParams(max_tokens=6)
+MESSAGES = [
+    torch.randint(0, 192, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    for n in (37, 21, 30, 18)
+]
+
+
+@dataclass
+class TinyModels:
+    """One set of random weights, as transformers and as the engine's model."""
+
+    hf: Any  # LlamaForCausalLM
+    engine: LlamaModel
+
+
+def tiny_models(folder: Path, **overrides: object) -> TinyModels:
+    reference = hf_model(tiny_config(**overrides))
+    reference.save_pretrained(folder)
+    return TinyModels(reference, load_model(folder))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return tiny_models(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with running_daemon(tmp_path_factory.mktemp("daemon")) as started:
+        yield started
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[KVStoreClient]:
+    with KVStoreClient(daemon.address, retries=0, timeout=5.0) as connected:
+        yield connected
+
+
+def store_engine(
+    model: LlamaModel, client: KVStoreClient, tenant: str, **options: Any
+) -> tuple[Engine, StoreConnector]:
+    """An engine with a store connector in its own tenant (tests share one daemon)."""
+    engine = Engine(model, num_pages=64, page_tokens=PAGE)
+    namespace = namespace_for(engine.config, model_name="tiny", block_tokens=PAGE, tenant=tenant)
+    connector = StoreConnector(
+        client,
+        namespace,
+        kv_pool=engine.kv_pool,
+        page_tokens=PAGE,
+        rope_tables=engine.rope_tables,
+        **options,
+    )
+    engine.connector = connector
+    return engine, connector
+
+
+def recompute(model: LlamaModel, prompt: list[int], sampling: SamplingParams = SAMPLING) -> Request:
+    request = Request("recompute", list(prompt), sampling)
+    Engine(model, num_pages=64, page_tokens=PAGE).generate([request])
+    return request
+
+
+def hf_generate(models: TinyModels, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = models.hf.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+    return list(out[0, len(prompt) :].tolist())
+
+
+def reference_blocks(models: TinyModels, tokens: list[int], namespace: Namespace) -> torch.Tensor:
+    """The pre-RoPE KV of ``tokens``' full blocks as transformers computes it, in the store's
+    layout ``[num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]``."""
+    with torch.no_grad():
+        cache = models.hf(torch.tensor([tokens]), use_cache=True).past_key_values
+    bt, n = namespace.model.block_tokens, len(tokens) // namespace.model.block_tokens
+    rope = models.engine.rope_tables
+    positions = torch.arange(n * bt)[:, None]
+    layers = []
+    for layer in cache.layers:
+        k = apply_rope(layer.keys[0, :, : n * bt].transpose(0, 1), positions, rope, inverse=True)
+        v = layer.values[0, :, : n * bt].transpose(0, 1)
+        kv = torch.stack((k, v))  # [2, seq, kv_heads, head_dim]
+        layers.append(kv.unflatten(1, (n, bt)).permute(1, 0, 3, 2, 4))  # [n, 2, heads, bt, dim]
+    return torch.stack(layers, dim=1)
+
+
+def stored_blocks(client: KVStoreClient, namespace: Namespace, keys: list[bytes]) -> torch.Tensor:
+    model = namespace.model
+    payloads = client.get(namespace, keys)
+    flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=getattr(torch, model.dtype))
+    shape = (len(payloads), model.num_layers, 2, model.num_kv_heads, model.block_tokens)
+    return flat.view(*shape, model.head_dim)
+
+
+@pytest.fixture(params=["shm", "stream"])
+def any_plane_client(request: pytest.FixtureRequest, daemon: Daemon) -> Iterator[KVStoreClient]:
+    """A client on the shared-memory data plane, then one that streams KV over gRPC."""
+    use_shm = request.param == "shm"
+    with KVStoreClient(daemon.address, use_shm=use_shm, retries=0, timeout=5.0) as connected:
+        assert connected.data_plane == request.param
+        yield connected
+
+
+def test_chat_through_the_store_answers_like_recompute_and_transformers(
+    models: TinyModels, any_plane_client: KVStoreClient
+) -> None:
+    client = any_plane_client
+    engine, connector = store_engine(models.engine, client, f"equivalence-{client.data_plane}")
+    server = ChatServer(engine, connector=connector, sampling=SAMPLING)
+    for index, message in enumerate(MESSAGES):
+        turn = server.chat("alice", message)
+        assert connector.wait_for_saves(10.0)
+        request = turn.request
+        assert turn.reply == recompute(models.engine, request.prompt).output
+        assert turn.reply == hf_generate(models, request.prompt, SAMPLING.max_tokens)
+        # Every turn after the first loads all but the tail of the previous context.
+        held = (len(request.prompt) - len(message) - 1) // PAGE * PAGE
+        expected = min(held, (len(request.prompt) - 1) // PAGE * PAGE)
+        assert request.num_loaded_tokens == (expected if index else 0)
+        assert request.num_computed_tokens == len(request.prompt) - request.num_loaded_tokens
+        assert request.loaded_from == ({"host": expected // PAGE} if index else {})
+    stats = connector.stats()
+    assert stats.failed_loads == stats.lookup_errors == stats.dropped_saves == 0
+    assert stats.saves.stored == stats.queued_saves > 0
+    connector.close()
+
+
+def test_page_size_must_be_the_block_size(models: TinyModels, client: KVStoreClient) -> None:
+    engine = Engine(models.engine, num_pages=8, page_tokens=PAGE)
+    namespace = namespace_for(engine.config, model_name="tiny", block_tokens=32)
+    with pytest.raises(ValueError, match=r"page_tokens \(16\).*block_tokens \(32\)"):
+        StoreConnector(
+            client,
+            namespace,
+            kv_pool=engine.kv_pool,
+            page_tokens=PAGE,
+            rope_tables=engine.rope_tables,
+        )
+    other = namespace_for(engine.config, model_name="tiny", block_tokens=PAGE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        StoreConnector(
+            client, other, kv_pool=engine.kv_pool, page_tokens=PAGE, rope_tables=engine.rope_tables
+        )
+
+
+class Timeline:
+    """Start and end times of layer loads and layer computes, from the injected delays."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[int, float] = {}
+        self.computing: dict[int, tuple[float, float]] = {}
+        self.delay = 0.0
+
+    def slow_load(self, real: Callable[..., None]) -> Callable[..., None]:
+        def load(staging: torch.Tensor, kv_pool: torch.Tensor, *args: Any) -> None:
+            time.sleep(self.delay)
+            real(staging, kv_pool, *args)
+            self.loaded[len(self.loaded)] = time.perf_counter()
+
+        return load
+
+    def slow_layer(self, real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run_layer(layer: int, *args: Any) -> torch.Tensor:
+            start = time.perf_counter()
+            time.sleep(self.delay)
+            out = real(layer, *args)
+            self.computing[layer] = (start, time.perf_counter())
+            return out
+
+        return run_layer
+
+
+def test_layer_loads_overlap_compute_and_beat_load_all_then_compute(
+    tmp_path: Path, client: KVStoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layers = 4
+    model = tiny_models(tmp_path, num_hidden_layers=layers).engine
+    engine, connector = store_engine(model, client, "layerwise")
+    prompt = MESSAGES[0] * 3  # 111 tokens: 6 blocks stored, 96 tokens loaded
+    engine.generate([Request("store", prompt, SamplingParams(max_tokens=1))])
+    assert connector.wait_for_saves(10.0)
+
+    timeline = Timeline()
+    monkeypatch.setattr(loader, "load_blocks", timeline.slow_load(loader.load_blocks))
+    monkeypatch.setattr(model, "run_layer", timeline.slow_layer(model.run_layer))
+    timeline.delay = 0.08
+
+    def cached_prefill(name: str) -> Request:
+        timeline.loaded.clear()
+        timeline.computing.clear()
+        request = Request(name, [*prompt, 5], SamplingParams(max_tokens=1))
+        engine.generate([request])
+        assert request.num_loaded_tokens == 96
+        return request
+
+    overlapped = cached_prefill("overlapped")
+    for layer in range(layers):  # never computed before its KV is in the pool ...
+        assert timeline.computing[layer][0] >= timeline.loaded[layer]
+    # ... and layer i computes while layer i + 1 is still loading.
+    assert timeline.computing[0][0] < timeline.loaded[1]
+    assert timeline.computing[1][0] < timeline.loaded[2]
+
+    wait = connector.wait_for_layer_load  # now: wait for every layer before layer 0
+
+    def load_all_first(request: Request, layer: int) -> bool:
+        return wait(request, layers - 1) and wait(request, layer)
+
+    monkeypatch.setattr(connector, "wait_for_layer_load", load_all_first)
+    sequential = cached_prefill("sequential")
+    assert timeline.computing[0][0] >= timeline.loaded[layers - 1]
+    # Overlap hides all loads but the first: at least (layers - 1) delays minus noise.
+    assert overlapped.ttft_s < sequential.ttft_s - timeline.delay
+    connector.close()
+
+
+def test_a_full_save_queue_drops_saves_and_stores_nothing_wrong(
+    models: TinyModels, client: KVStoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, connector = store_engine(models.engine, client, "full-queue", save_queue_size=2)
+    gate = threading.Event()
+    put = client.put
+
+    def stuck_put(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(30.0)
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(client, "put", stuck_put)
+    server = ChatServer(engine, connector=connector, sampling=SAMPLING)
+    turns = [server.chat("bob", message) for message in MESSAGES[:3]]
+    # Every turn ran to the end while the daemon took no put at all.
+    assert all(len(turn.reply) == SAMPLING.max_tokens for turn in turns)
+    assert connector.dropped_saves > 0
+    gate.set()
+    assert connector.wait_for_saves(10.0)
+    stats = connector.stats()
+    assert stats.saves.stored == stats.queued_saves > 0
+    for turn in turns:
+        assert turn.reply == recompute(models.engine, turn.request.prompt).output
+    # Whatever was stored reads back as the KV transformers computes for those tokens.
+    tokens = server.session("bob").context
+    keys = block_keys(tokens, connector.namespace)
+    held = [key for key in keys if client.lookup(connector.namespace, [key])]
+    assert held and client.lookup(connector.namespace, keys) >= 1
+    expected = reference_blocks(models, tokens, connector.namespace)
+    for index, key in enumerate(keys):
+        if key in held:
+            got = stored_blocks(client, connector.namespace, [key])[0]
+            torch.testing.assert_close(got, expected[index], atol=1e-5, rtol=1e-5)
+    connector.close()
+
+
+def test_a_stopped_daemon_means_recompute_not_errors(
+    tmp_path: Path, models: TinyModels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (
+        running_daemon(tmp_path / "daemon") as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=2.0) as client,
+    ):
+        engine, connector = store_engine(models.engine, client, "stopped", load_timeout_s=5.0)
+        server = ChatServer(engine, connector=connector, sampling=SAMPLING)
+        server.chat("carol", MESSAGES[0])
+        assert connector.wait_for_saves(10.0)
+
+        # The daemon dies between the lookup (a hit) and the load: the engine recomputes.
+        lookup = client.lookup_tiers
+
+        def lookup_then_die(*args: Any, **kwargs: Any) -> Any:
+            found = lookup(*args, **kwargs)
+            daemon.kill()
+            return found
+
+        monkeypatch.setattr(client, "lookup_tiers", lookup_then_die)
+        second = server.chat("carol", MESSAGES[1])
+        monkeypatch.undo()
+        assert connector.stats().failed_loads == 1
+        assert second.request.num_loaded_tokens == 0 and second.request.loaded_from == {}
+        assert second.reply == recompute(models.engine, second.request.prompt).output
+
+        # Down at admission: the lookup fails, is counted, and the turn is computed.
+        third = server.chat("carol", MESSAGES[2])
+        assert connector.stats().lookup_errors == 1
+        assert third.request.num_computed_tokens == len(third.request.prompt)
+        assert third.reply == recompute(models.engine, third.request.prompt).output
+        connector.close(timeout=1.0)
