@@ -5,7 +5,7 @@
 
 Starts a real daemon (``python -m kvstore serve --config <temp toml>``: a host arena on tmpfs
 sized for the run, SSD and Redis off, a unix socket in a temporary directory) and, as a second
-child process, this script's raw gRPC server (``--raw-server``). Then, with the real client,
+child process, the raw gRPC server of ``raw_grpc.py``. Then, with the real client,
 for every block size ``N`` blocks of KV-like bytes (``torch.randn`` float16) are moved as one
 key chain per call:
 
@@ -33,19 +33,15 @@ includes the load average before the run: other processes on the cores skew both
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import itertools
 import json
 import os
 import shutil
-import signal
 import statistics
-import struct
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -53,7 +49,7 @@ from typing import TypeVar
 import grpc
 import torch
 import uvloop
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from raw_grpc import RawClient, child, raw_server_command, serving
 
 from kvstore.client import AsyncKVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
 from kvstore.config import load_config
@@ -81,53 +77,11 @@ TARGETS = {"shm": 0.5, "stream": 0.8}  # least op / limit throughput ratio, per 
 LOOKUP_P99_MS = 1.0
 LOOKUP_KEYS, LOOKUP_BLOCK_TOKENS = 512, 256  # a 128K-token chain
 WARM_UP_CALLS = 20
-RAW_SERVICE = "kvstore.bench.Raw"
-SOURCE_REQUEST = struct.Struct("<QQQ")  # blocks, block bytes, chunk bytes
-TOTAL = struct.Struct("<Q")
 KV_HEADS, HEAD_DIM = 8, 128  # Llama-3-8B-like heads: 4 KiB of float16 K+V per layer and token
 TOKEN_BYTES = 32 * 2 * KV_HEADS * HEAD_DIM * 2  # ... and 128 KiB for its 32 layers
 
 
-# Child processes ---------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def child(command: Sequence[str], log: Path) -> AsyncIterator[asyncio.subprocess.Process]:
-    """Runs ``command`` (output to ``log``); SIGTERM on exit, SIGKILL after 30 s."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    with log.open("ab") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env
-        )
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
-async def serving(proc: asyncio.subprocess.Process, address: str, log: Path) -> None:
-    """Waits until the health service at ``address`` answers SERVING (a minute at most).
-
-    Raises:
-        RuntimeError: The process exited or did not serve in time (its log's tail included).
-    """
-    deadline = time.monotonic() + 60
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline and proc.returncode is None:
-            with contextlib.suppress(grpc.RpcError):
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            await asyncio.sleep(0.05)
-    tail = (await asyncio.to_thread(log.read_text, errors="replace"))[-4000:]
-    raise RuntimeError(f"{address} did not serve:\n{tail}")
+# The daemon ------------------------------------------------------------------------------
 
 
 def daemon_config(socket: Path, arena_dir: Path, arena_bytes: int) -> str:
@@ -151,73 +105,6 @@ def daemon_config(socket: Path, arena_dir: Path, arena_bytes: int) -> str:
 def arena_parent() -> str | None:
     """tmpfs for the arena, like a deployed daemon's ``/dev/shm`` (else the default temp dir)."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
-# The raw gRPC server (a child process of this script) ----------------------------------------
-
-
-def message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
-def raw_handler() -> grpc.GenericRpcHandler:
-    """Sink (a bytes stream in -> its length), Source (pre-cut chunks out) and Echo."""
-    cut: dict[tuple[int, int], list[bytes]] = {}  # (block bytes, chunk bytes) -> chunks
-
-    async def sink(requests: AsyncIterator[bytes], _context: object) -> bytes:
-        total = 0
-        async for chunk in requests:
-            total += len(chunk)
-        return TOTAL.pack(total)
-
-    async def source(request: bytes, _context: object) -> AsyncIterator[bytes]:
-        count, size, step = SOURCE_REQUEST.unpack(request)
-        if (size, step) not in cut:
-            data = os.urandom(size)
-            cut[size, step] = [data[i : i + step] for i in range(0, size, step)]
-        for _ in range(count):
-            for chunk in cut[size, step]:
-                yield chunk
-
-    async def echo(request: bytes, _context: object) -> bytes:
-        return request
-
-    return grpc.method_handlers_generic_handler(
-        RAW_SERVICE,
-        {
-            "Sink": grpc.stream_unary_rpc_method_handler(sink),
-            "Source": grpc.unary_stream_rpc_method_handler(source),
-            "Echo": grpc.unary_unary_rpc_method_handler(echo),
-        },
-    )
-
-
-async def serve_raw(address: str, max_message_bytes: int) -> None:
-    """The raw server (and a health service) on ``address`` until SIGTERM."""
-    server = grpc.aio.server(options=message_limits(max_message_bytes))
-    server.add_generic_rpc_handlers([raw_handler()])
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(address)
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
-    await server.stop(1)
-
-
-class RawClient:
-    """The raw server's calls (bytes in, bytes out), with the same message-size limits."""
-
-    def __init__(self, address: str, max_message_bytes: int) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=message_limits(max_message_bytes))
-        self.sink = self.channel.stream_unary(f"/{RAW_SERVICE}/Sink")
-        self.source = self.channel.unary_stream(f"/{RAW_SERVICE}/Source")
-        self.echo = self.channel.unary_unary(f"/{RAW_SERVICE}/Echo")
 
 
 # Blocks and timing -----------------------------------------------------------------------
@@ -339,27 +226,14 @@ def raw_ops(raw: RawClient, chain: Chain, chunk_bytes: int) -> tuple[Timed, Time
     sources = [block.numpy().data for block in chain.blocks]
     targets = [out.numpy().data for out in chain.out]
 
-    def chunks() -> Iterator[bytes]:
-        for data in sources:
-            for start in range(0, len(data), chunk_bytes):
-                yield bytes(data[start : start + chunk_bytes])
-
     async def put() -> float:
-        reply, spent = await clocked(raw.sink(chunks()))
-        expect(TOTAL.unpack(reply)[0] == chain.total_bytes, "the raw sink lost bytes")
+        total, spent = await clocked(raw.put(sources, chunk_bytes))
+        expect(total == chain.total_bytes, "the raw sink lost bytes")
         return spent
 
     async def get() -> float:
-        start = time.perf_counter()
-        request = SOURCE_REQUEST.pack(len(targets), chain.size, chunk_bytes)
-        block = filled = 0
-        async for chunk in raw.source(request):
-            targets[block][filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
-            if filled == chain.size:
-                block, filled = block + 1, 0
-        spent = time.perf_counter() - start
-        expect(block == len(targets), f"the raw source sent {block} of {len(targets)} blocks")
+        blocks, spent = await clocked(raw.get(targets, chunk_bytes))
+        expect(blocks == len(targets), f"the raw source sent {blocks} of {len(targets)} blocks")
         return spent
 
     return put, get
@@ -501,8 +375,7 @@ async def bench_all(
     limit = load_config(config).server.max_message_bytes
     serve = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
     serve += ["--log-level", "warning"]
-    raw_server = [sys.executable, __file__, "--raw-server", f"unix:{raw_sock}"]
-    raw_server += ["--max-message-bytes", str(limit)]
+    raw_server = raw_server_command(f"unix:{raw_sock}", limit)
     logs = scratch / "daemon.log", scratch / "raw.log"
     # Both children start before this process opens a channel: gRPC warns of forks after.
     async with child(serve, logs[0]) as daemon, child(raw_server, logs[1]) as raw_server_proc:
@@ -582,8 +455,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=positive, default=5, help="timed rounds (default 5)")
     parser.add_argument("--lookups", type=positive, default=500, help="calls (default 500)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--raw-server", help=argparse.SUPPRESS)  # the child process's mode
-    parser.add_argument("--max-message-bytes", type=positive, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if odd := [size for size in args.sizes if size % 4]:
         parser.error(f"block sizes must be multiples of 4 bytes, got {odd}")
@@ -592,9 +463,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.raw_server:
-        uvloop.run(serve_raw(args.raw_server, args.max_message_bytes))
-        return 0
     about = {key: value for key, value in machine().items() if key != "redis"}
     about |= {"grpc": grpc.__version__, "load avg": f"{os.getloadavg()[0]:.2f}"}
     scratch = Path(tempfile.mkdtemp(prefix="kvs-bench-"))  # short: a unix socket path

@@ -17,7 +17,7 @@ from typing import Final, TypeVar
 import torch
 
 from kvstore.client.errors import ProtocolError
-from kvstore.client.shm import Arena, Payload, as_bytes
+from kvstore.client.shm import Arena, Payload, Target, as_bytes
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 
@@ -102,8 +102,9 @@ class Stats:
 def check_keys(keys: Sequence[bytes], what: str = "keys") -> list[bytes]:
     """The keys as a list, each checked to be 32 bytes (``ValueError`` naming the index)."""
     checked = list(keys)
-    for index, key in enumerate(checked):
+    for key in checked:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            index = next(i for i, k in enumerate(checked) if k is key)  # only for a bad key
             found = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
             raise ValueError(f"{what}[{index}] must be {KEY_BYTES} bytes, got {found}")
     return checked
@@ -223,24 +224,43 @@ async def assemble(
     """The blocks of a Get stream, new bytes or copied into ``out``; checks their order."""
     blocks: list[bytes] = []
     parts: list[bytes] = []
+    target: memoryview | torch.Tensor | None = None
     done = filled = 0
     async for chunk in chunks:
         if chunk.index != done or done >= count:
             raise ProtocolError(f"Get sent a chunk of block {chunk.index}, expected block {done}")
-        length = len(chunk.data)
+        data = chunk.data  # read once: each read of a message's bytes field copies it
+        length = len(data)
         if filled + length > size:
             raise ProtocolError(f"Get sent more than {size} bytes for block {done}")
         if out is None:
-            parts.append(chunk.data)
+            parts.append(data)
         elif length:
-            as_bytes(out[done])[filled : filled + length].copy_(as_bytes(chunk.data))
+            if target is None:
+                target = _landing(out[done])
+            _copy_chunk(target, filled, data)
         filled += length
         if chunk.last:
             if filled != size:
                 raise ProtocolError(f"Get sent {filled} bytes for block {done}, not {size}")
             if out is None:
                 blocks.append(b"".join(parts))
-            parts, filled, done = [], 0, done + 1
+            parts, target, filled, done = [], None, 0, done + 1
     if filled or parts:
         raise ProtocolError(f"the Get stream ended inside block {done}")
     return blocks if out is None else list(out[:done])
+
+
+def _landing(target: Target) -> memoryview | torch.Tensor:
+    """Where a block's chunks land: a byte view of host memory, or the device tensor itself."""
+    flat = as_bytes(target)
+    return flat if flat.device.type != "cpu" else flat.numpy().data
+
+
+def _copy_chunk(target: memoryview | torch.Tensor, start: int, data: bytes) -> None:
+    # One memcpy on this thread for host memory: torch's copy_ splits a 1 MiB chunk over its
+    # intra-op threads, which costs more than the copy when the daemon busies the other core.
+    if isinstance(target, memoryview):
+        target[start : start + len(data)] = data
+    else:
+        target[start : start + len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))

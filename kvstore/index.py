@@ -119,9 +119,10 @@ class RadixIndex:
         """The committed nodes for the longest prefix of ``keys`` that the index holds
         (only blocks of ``namespace`` when given)."""
         matched: list[Node] = []
+        nodes = self._nodes  # the checks of committed() inline: this runs per lookup key
         for key in keys:
-            node = self.committed(key)
-            if node is None or not node.tiers:
+            node = nodes.get(key)
+            if node is None or not node.committed or node.doomed or not node.tiers:
                 break
             if namespace is not None and node.meta.namespace != namespace:
                 break

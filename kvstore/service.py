@@ -8,14 +8,15 @@
   ``release(lease_id)``;
 - ``reserve`` -> arena slots to write, then ``commit`` (or ``abort``);
 - ``get`` -> the leading held blocks; ``put`` -> one block from the streamed data plane;
+  with a host tier, ``held`` and ``land`` let the streams read and write blocks in the arena;
 - ``prefetch`` -> hints run as named background tasks; ``delete``; ``stats``;
 - ``aclose()`` cancels prefetches and waits for the background work to end.
 
-Checks: keys and parents are 32 bytes, at most ``MAX_KEYS`` keys per call, a block holds
-exactly ``layout.block_tokens`` tokens and ``layout.payload_bytes`` bytes. With
-authentication on, each call carries the caller's tenant: a namespace registered by one tenant
-cannot be used, and a lease cannot be released, with the token of another. Errors are the
-:mod:`kvstore.errors` tree, with messages that name the bad value.
+Checks (:mod:`kvstore.checks`): keys and parents are 32 bytes, at most ``MAX_KEYS`` keys per
+call, a block holds exactly ``layout.block_tokens`` tokens and ``layout.payload_bytes`` bytes.
+With authentication on, each call carries the caller's tenant: a namespace registered by one
+tenant cannot be used, and a lease cannot be released, with the token of another. Errors are
+the :mod:`kvstore.errors` tree, with messages that name the bad value.
 """
 
 from __future__ import annotations
@@ -26,16 +27,26 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Self
 
 from kvstore import __version__
 from kvstore.blocks import BlockLayout
+from kvstore.checks import (
+    KEY_BYTES,
+    MAX_KEYS,
+    BlockSpec,
+    check_count,
+    check_key,
+    check_keys,
+    check_spec,
+)
 from kvstore.config import Config
 from kvstore.errors import (
     InvalidBlockError,
     InvalidRequestError,
+    NoArenaError,
     PermissionDeniedError,
     UnknownNamespaceError,
 )
@@ -51,9 +62,12 @@ from kvstore.results import (
     StoreStats,
 )
 from kvstore.store import BlockStore
+from kvstore.streams import ArenaStreams, HeldBlock, Landing
 from kvstore.tiers.base import Buffer
+from kvstore.tiers.host import HostTier
 
 __all__ = [
+    "MAX_KEYS",
     "BlockSpec",
     "KVStoreService",
     "Reservations",
@@ -64,19 +78,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-KEY_BYTES = 32
-MAX_KEYS = 1 << 16  # per call (a 1M-token prompt in 16-token blocks); 2 MiB of keys
 MAX_LEASE_SECONDS = 3600.0
 MAX_PREFETCH_TASKS = 64  # hints past this many in flight are dropped (they are only hints)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSpec:
-    """A block a client writes: its key, its parent's key and how many tokens it holds."""
-
-    key: bytes
-    parent: bytes
-    num_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,8 @@ class KVStoreService:
     def __init__(self, store: BlockStore, config: Config) -> None:
         self._store = store
         self._server = config.server
+        top = store.tiers[0].tier
+        self._streams = ArenaStreams(store, top) if isinstance(top, HostTier) else None
         self._namespaces: dict[bytes, _Registered] = {}
         self._lease_owners: dict[int, tuple[str | None, float]] = {}  # id -> (tenant, expiry)
         self._prune_at = 1024
@@ -213,7 +218,7 @@ class KVStoreService:
     ) -> LookupResult:
         """How many leading blocks of ``keys`` are held, and the highest tier of each."""
         self.layout_of(namespace, tenant=tenant)
-        _check_keys(keys)
+        check_keys(keys)
         result = await self._store.lookup(keys, namespace=namespace)
         self._lookups += 1
         self._lookup_hit_blocks += result.num_blocks
@@ -238,7 +243,7 @@ class KVStoreService:
             NoArenaError: the daemon has no host tier.
         """
         self.layout_of(namespace, tenant=tenant)
-        _check_keys(keys)
+        check_keys(keys)
         ttl = self._ttl(lease_seconds)
         work = asyncio.ensure_future(self._store.acquire(keys, namespace=namespace, ttl=ttl))
         try:
@@ -272,7 +277,7 @@ class KVStoreService:
         The request is checked before this returns; blocks are read as they are iterated.
         """
         self.layout_of(namespace, tenant=tenant)
-        _check_keys(keys)
+        check_keys(keys)
         return self._blocks(namespace, keys)
 
     async def _blocks(self, namespace: bytes, keys: Sequence[bytes]) -> AsyncIterator[Block]:
@@ -281,6 +286,24 @@ class KVStoreService:
             if block is None:
                 return
             yield block
+
+    @property
+    def has_arena(self) -> bool:
+        """Whether there is a host tier, for :meth:`held` and :meth:`land`."""
+        return self._streams is not None
+
+    def held(
+        self, namespace: bytes, keys: Sequence[bytes], *, tenant: str | None = None
+    ) -> AsyncGenerator[HeldBlock, None]:
+        """:meth:`get` without copies: the leading held blocks as views of their leased arena
+        slots; it may stop early, the rest is read with :meth:`get` (see :mod:`kvstore.streams`).
+
+        Raises:
+            NoArenaError: the daemon has no host tier.
+        """
+        layout = self.layout_of(namespace, tenant=tenant)
+        check_keys(keys)
+        return self._require_streams().held(keys, namespace, layout.payload_bytes)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -292,7 +315,7 @@ class KVStoreService:
         Every block is checked before any is reserved, so a bad request reserves nothing.
         """
         layout = self.layout_of(namespace, tenant=tenant)
-        _check_count("blocks", len(blocks))
+        check_count("blocks", len(blocks))
         for i, spec in enumerate(blocks):
             check_spec(f"blocks[{i}]", spec, layout)
         ttl = self._server.lease_ttl
@@ -307,7 +330,7 @@ class KVStoreService:
     ) -> list[PutStatus]:
         """Makes reserved blocks visible: STORED each, or EXPIRED without a live reservation."""
         self.layout_of(namespace, tenant=tenant)
-        _check_keys(keys)
+        check_keys(keys)
         return [await self._store.commit(key) for key in keys]
 
     async def abort(
@@ -315,9 +338,24 @@ class KVStoreService:
     ) -> None:
         """Frees reservations; keys without one are ignored."""
         self.layout_of(namespace, tenant=tenant)
-        _check_keys(keys)
+        check_keys(keys)
         for key in keys:
             await self._store.abort(key)
+
+    async def land(
+        self, namespace: bytes, spec: BlockSpec, *, tenant: str | None = None
+    ) -> Landing | PutStatus:
+        """:meth:`put` without copies: an arena slot the caller writes the block into, then
+        commits or aborts; or DEDUP, or NO_SPACE (see :mod:`kvstore.streams`).
+
+        Raises:
+            InvalidBlockError: as :meth:`put`.
+            NoArenaError: the daemon has no host tier.
+        """
+        layout = self.layout_of(namespace, tenant=tenant)
+        check_spec("block", spec, layout)
+        meta = BlockMeta(namespace, spec.num_tokens, layout)
+        return await self._require_streams().land(spec.key, spec.parent, meta)
 
     async def put(
         self, namespace: bytes, spec: BlockSpec, payload: Buffer, *, tenant: str | None = None
@@ -344,7 +382,7 @@ class KVStoreService:
     ) -> int:
         """Deletes blocks and their descendants; returns how many blocks went."""
         self.layout_of(namespace, tenant=tenant)
-        _check_keys(keys)
+        check_keys(keys)
         return sum([await self._store.delete(key, namespace=namespace) for key in keys])
 
     # -- hints and statistics ---------------------------------------------------------------
@@ -363,10 +401,10 @@ class KVStoreService:
             How many blocks were queued; 0 when the hint was dropped (too many in flight).
         """
         self.layout_of(namespace, tenant=tenant)
-        _check_count("keys in chains", sum(len(chain) for chain in chains))
+        check_count("keys in chains", sum(len(chain) for chain in chains))
         for c, chain in enumerate(chains):
             for i, key in enumerate(chain):
-                _check_key(f"chains[{c}].keys[{i}]", key)
+                check_key(f"chains[{c}].keys[{i}]", key)
         top = self._store.tiers[0].name
         queued: list[Sequence[bytes]] = []
         count = 0
@@ -419,6 +457,11 @@ class KVStoreService:
             )
         return lease_seconds or self._server.lease_ttl
 
+    def _require_streams(self) -> ArenaStreams:
+        if self._streams is None:
+            raise NoArenaError("the arena data plane needs the host tier (host.enabled)")
+        return self._streams
+
     def _own_lease(self, acquired: Acquired, tenant: str | None) -> None:
         now = time.monotonic()
         if len(self._lease_owners) >= self._prune_at:  # expired leases: amortised O(1)
@@ -436,34 +479,3 @@ class KVStoreService:
         task = asyncio.create_task(release(), name=f"release-abandoned-{next(self._task_ids)}")
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
-
-
-def _check_count(what: str, count: int) -> None:
-    if count > MAX_KEYS:
-        raise InvalidRequestError(f"{count} {what} in one call; at most {MAX_KEYS}")
-
-
-def _check_key(name: str, key: bytes) -> None:
-    if len(key) != KEY_BYTES:
-        raise InvalidBlockError(f"{name} must be {KEY_BYTES} bytes, got {len(key)}")
-
-
-def _check_keys(keys: Sequence[bytes]) -> None:
-    _check_count("keys", len(keys))
-    for i, key in enumerate(keys):
-        _check_key(f"keys[{i}]", key)
-
-
-def check_spec(name: str, spec: BlockSpec, layout: BlockLayout) -> None:
-    """Checks a block's key, parent and token count against ``layout``.
-
-    Raises:
-        InvalidBlockError: naming ``name``'s bad field and its value.
-    """
-    _check_key(f"{name}.key", spec.key)
-    _check_key(f"{name}.parent", spec.parent)
-    if spec.num_tokens != layout.block_tokens:
-        raise InvalidBlockError(
-            f"{name}.num_tokens must be {layout.block_tokens} (only full blocks are stored), "
-            f"got {spec.num_tokens}"
-        )

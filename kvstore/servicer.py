@@ -7,19 +7,23 @@ and seen by the client as UNKNOWN.
 
 The streamed data plane: ``Get`` sends each leading held block as ``chunk_bytes`` pieces
 (``tier`` on the first, ``last`` on the final one); ``Put`` assembles a block from the chunks
-that follow its ``BlockSpec`` and stores it once it has ``layout.payload_bytes`` bytes.
+that follow its ``BlockSpec`` and stores it once it has ``layout.payload_bytes`` bytes. With a
+host tier both work in the arena (:mod:`kvstore.streams`): ``Get`` cuts its chunks from the
+leased slots and ``Put`` copies each chunk into a slot reserved for its block.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import grpc
 
 from kvstore.blocks import BlockLayout
+from kvstore.checks import BlockSpec, check_spec
 from kvstore.errors import (
     InvalidBlockError,
     InvalidRequestError,
@@ -35,7 +39,8 @@ from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.results import PutStatus
-from kvstore.service import BlockSpec, KVStoreService, check_spec
+from kvstore.service import KVStoreService
+from kvstore.streams import Landing
 
 __all__ = ["STATUS_CODES", "KVStoreServicer", "Metadata", "status_of"]
 
@@ -183,18 +188,31 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[pb.GetChunk]:
         async with self._call(context) as tenant:
-            blocks = self._service.get(request.namespace, list(request.keys), tenant=tenant)
-            index = 0
-            async for block in blocks:
-                payload, step = block.payload, self._chunk_bytes
-                for start in range(0, max(len(payload), 1), step):
-                    yield pb.GetChunk(
-                        index=index,
-                        data=payload[start : start + step],
-                        last=start + step >= len(payload),
-                        tier=block.tier if start == 0 else "",
-                    )
-                index += 1
+            namespace, keys = request.namespace, list(request.keys)
+            sent = 0
+            if self._service.has_arena:  # chunks cut from leased arena slots
+                held = self._service.held(namespace, keys, tenant=tenant)
+                async with contextlib.aclosing(held):
+                    async for found in held:
+                        for chunk in self._chunks(sent, found.payload, found.tier):
+                            yield chunk
+                        sent += 1
+            # Without a host tier, or past what the arena leased (a miss, no room): copies.
+            async for block in self._service.get(namespace, keys[sent:], tenant=tenant):
+                for chunk in self._chunks(sent, block.payload, block.tier):
+                    yield chunk
+                sent += 1
+
+    def _chunks(self, index: int, payload: bytes | memoryview, tier: str) -> Iterator[pb.GetChunk]:
+        """One block's ``GetChunk`` messages, each holding a copy of its piece of ``payload``."""
+        size, step = len(payload), self._chunk_bytes
+        for start in range(0, max(size, 1), step):
+            yield pb.GetChunk(
+                index=index,
+                data=bytes(payload[start : start + step]),  # a bytes slice is kept as is
+                last=start + step >= size,
+                tier=tier if start == 0 else "",
+            )
 
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutChunk], context: Context
@@ -251,21 +269,46 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             )
 
 
+@dataclass(slots=True)
+class _Incoming:
+    """The block a ``Put`` stream is in the middle of, and where its bytes go."""
+
+    spec: BlockSpec
+    sink: memoryview | None  # an arena slot or a buffer; None: held already, bytes dropped
+    landing: Landing | None = None  # the reserved slot, committed when the block is whole
+    buffer: bytearray | None = None  # no arena room: the block is put whole from here
+    filled: int = 0
+
+    def release(self) -> None:
+        if self.sink is not None:
+            self.sink.release()
+
+
 class _PutStream:
-    """Assembles the blocks of one ``Put`` stream and stores each as soon as it is whole."""
+    """Stores the blocks of one ``Put`` stream, each as soon as it is whole.
+
+    With a host tier each block's chunks are copied into an arena slot reserved on its first
+    chunk, committed once it is whole and aborted if the stream fails first; a block the arena
+    has no room for (or any block, without a host tier) is assembled in memory and put.
+    """
 
     def __init__(self, service: KVStoreService, tenant: str | None) -> None:
         self._service = service
         self._tenant = tenant
         self._namespace = b""
-        self._spec: BlockSpec | None = None
         self._layout: BlockLayout | None = None
         self._size = 0  # payload bytes of one block of the stream's layout
-        self._payload = bytearray()
-        self._filled = 0
+        self._block: _Incoming | None = None
         self.statuses: list[PutStatus] = []
 
     async def run(self, chunks: AsyncIterator[pb.PutChunk]) -> list[PutStatus]:
+        try:
+            await self._receive(chunks)
+        finally:
+            await self._drop()
+        return self.statuses
+
+    async def _receive(self, chunks: AsyncIterator[pb.PutChunk]) -> None:
         position = 0
         async for chunk in chunks:
             if position == 0:
@@ -278,50 +321,86 @@ class _PutStream:
                     f"carries one namespace, {self._namespace.hex()}"
                 )
             if chunk.HasField("block"):
-                self._begin(chunk.block)
-            if chunk.data:
-                self._append(chunk.data, position)
-            if self._spec is not None and self._filled == self._size:
+                await self._begin(chunk.block)
+            data = chunk.data  # each read of a bytes field copies it out of the message
+            if data:
+                self._append(data, position)
+            if self._block is not None and self._block.filled == self._size:
                 await self._store()
             position += 1
-        if self._spec is not None:
-            self._begin(None)  # raises: the stream ended inside a block
-        return self.statuses
+        self._check_ended()
 
-    def _begin(self, block: pb.BlockSpec | None) -> None:
-        if self._spec is not None:
+    async def _begin(self, block: pb.BlockSpec) -> None:
+        self._check_ended()
+        spec = BlockSpec(block.key, block.parent, block.num_tokens)
+        assert self._layout is not None  # set by the stream's first chunk
+        check_spec(f"blocks[{len(self.statuses)}]", spec, self._layout)
+        landed = (
+            await self._service.land(self._namespace, spec, tenant=self._tenant)
+            if self._service.has_arena
+            else PutStatus.NO_SPACE
+        )
+        if isinstance(landed, Landing):
+            self._block = _Incoming(spec, landed.slot, landing=landed)
+        elif landed is PutStatus.DEDUP:
+            self._block = _Incoming(spec, None)
+        else:
+            buffer = bytearray(self._size)  # fresh: the store may keep a reference
+            self._block = _Incoming(spec, memoryview(buffer), buffer=buffer)
+
+    def _check_ended(self) -> None:
+        if self._block is not None:
             raise InvalidBlockError(
-                f"block {len(self.statuses)} ended after {self._filled} payload bytes; its "
-                f"layout needs {self._size}"
+                f"block {len(self.statuses)} ended after {self._block.filled} payload bytes; "
+                f"its layout needs {self._size}"
             )
-        if block is not None:
-            spec = BlockSpec(block.key, block.parent, block.num_tokens)
-            assert self._layout is not None  # set by the stream's first chunk
-            check_spec(f"blocks[{len(self.statuses)}]", spec, self._layout)
-            self._spec = spec
-            self._payload = bytearray(self._size)  # fresh: the store may keep a reference
-            self._filled = 0
 
     def _append(self, data: bytes, position: int) -> None:
-        if self._spec is None:
+        block = self._block
+        if block is None:
             raise InvalidRequestError(
                 f"chunk {position} carries data outside a block (set PutChunk.block on each "
                 f"block's first chunk)"
             )
-        end = self._filled + len(data)
+        end = block.filled + len(data)
         if end > self._size:
             raise InvalidBlockError(
                 f"block {len(self.statuses)} got more than {self._size} payload bytes "
                 f"(its layout's size) at chunk {position}"
             )
-        self._payload[self._filled : end] = data
-        self._filled = end
+        if block.landing is not None and time.monotonic() >= block.landing.deadline:
+            raise InvalidRequestError(f"block {len(self.statuses)} took over an hour to arrive")
+        if block.sink is not None:
+            block.sink[block.filled : end] = data
+        block.filled = end
 
     async def _store(self) -> None:
-        assert self._spec is not None
-        spec, self._spec = self._spec, None
-        status = await self._service.put(self._namespace, spec, self._payload, tenant=self._tenant)
-        self.statuses.append(status)
+        block, self._block = self._block, None
+        assert block is not None
+        try:
+            self.statuses.append(await self._commit(block))  # a commit leaves nothing to abort
+        finally:
+            block.release()
+
+    async def _commit(self, block: _Incoming) -> PutStatus:
+        if block.landing is not None:
+            keys = [block.landing.key]
+            (status,) = await self._service.commit(self._namespace, keys, tenant=self._tenant)
+            return status
+        if block.buffer is None:
+            return PutStatus.DEDUP
+        return await self._service.put(
+            self._namespace, block.spec, block.buffer, tenant=self._tenant
+        )
+
+    async def _drop(self) -> None:
+        """Ends the block the stream stopped inside of (an error, a cancel, a short block)."""
+        block, self._block = self._block, None
+        if block is not None:
+            block.release()
+            if block.landing is not None:
+                keys = [block.landing.key]
+                await self._service.abort(self._namespace, keys, tenant=self._tenant)
 
 
 def _fingerprint(model: pb.ModelFingerprint) -> ModelFingerprint:

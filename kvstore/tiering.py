@@ -306,7 +306,15 @@ class Placement:
         self.counts[f"hits.{slot.name}"] += 1
 
     def top_tier(self, node: Node) -> str:
-        return next(s.name for s in self.tiers if s.name in node.tiers)
+        """The name of the highest tier holding ``node`` (it must be in one)."""
+        held = node.tiers
+        if len(held) == 1:  # the common case, one copy: no need to walk the tiers
+            return next(iter(held))
+        for slot in self.tiers:  # a plain loop: this runs per block of every lookup
+            name = slot.tier.name
+            if name in held:
+                return name
+        raise LookupError(f"block {node.key.hex()[:16]} is in no tier")
 
     async def rebuild_from(self, slot: StoreTier) -> None:
         """Re-adds the blocks a persistent tier holds (its files carry key and parent)."""

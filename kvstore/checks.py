@@ -1,0 +1,68 @@
+"""The daemon's request checks: key sizes, keys per call and the blocks clients write.
+
+Each check raises from the :mod:`kvstore.errors` tree with a message that names the bad value
+(``keys[3] must be 32 bytes, got 31``). Every lookup checks its whole key chain, so a request
+that passes costs one plain pass over the keys: a message is built only for a bad key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.blocks import BlockLayout
+from kvstore.errors import InvalidBlockError, InvalidRequestError
+
+__all__ = [
+    "KEY_BYTES",
+    "MAX_KEYS",
+    "BlockSpec",
+    "check_count",
+    "check_key",
+    "check_keys",
+    "check_spec",
+]
+
+KEY_BYTES = 32
+MAX_KEYS = 1 << 16  # per call (a 1M-token prompt in 16-token blocks); 2 MiB of keys
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """A block a client writes: its key, its parent's key and how many tokens it holds."""
+
+    key: bytes
+    parent: bytes
+    num_tokens: int
+
+
+def check_count(what: str, count: int) -> None:
+    if count > MAX_KEYS:
+        raise InvalidRequestError(f"{count} {what} in one call; at most {MAX_KEYS}")
+
+
+def check_key(name: str, key: bytes) -> None:
+    if len(key) != KEY_BYTES:
+        raise InvalidBlockError(f"{name} must be {KEY_BYTES} bytes, got {len(key)}")
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    check_count("keys", len(keys))
+    for key in keys:
+        if len(key) != KEY_BYTES:  # the first bad key: no earlier key equals it
+            check_key(f"keys[{keys.index(key)}]", key)
+
+
+def check_spec(name: str, spec: BlockSpec, layout: BlockLayout) -> None:
+    """Checks a block's key, parent and token count against ``layout``.
+
+    Raises:
+        InvalidBlockError: naming ``name``'s bad field and its value.
+    """
+    check_key(f"{name}.key", spec.key)
+    check_key(f"{name}.parent", spec.parent)
+    if spec.num_tokens != layout.block_tokens:
+        raise InvalidBlockError(
+            f"{name}.num_tokens must be {layout.block_tokens} (only full blocks are stored), "
+            f"got {spec.num_tokens}"
+        )
