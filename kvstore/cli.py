@@ -7,7 +7,9 @@
 - ``kvstore stats [--address ADDR | --config FILE] [--token T] [--json]`` prints tier
   usage, hit rates and leases in flight (``--token`` defaults to ``$KVSTORE_TOKEN``).
 - ``kvstore chat [...]`` runs the scripted multi-turn chat demo
-  (:mod:`kvstore.inference_adapter.demo`); its module, and torch, load only for it.
+  (:mod:`kvstore.inference_adapter.demo`) and ``kvstore bench chat [...]`` the end-to-end
+  benchmark (:mod:`kvstore.inference_adapter.bench`); their modules, and torch, load only
+  when they run.
 
 This is the entry point: the only place that installs uvloop.
 """
@@ -34,10 +36,11 @@ log = logging.getLogger("kvstore")
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``kvstore`` command; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    delegated = {name: module for name, module, _ in _DELEGATED}
-    if argv and argv[0] in delegated:  # its own parser takes every argument, --help included
-        command: Callable[[list[str]], int] = importlib.import_module(delegated[argv[0]]).main
-        return command(argv[1:])
+    delegated = {tuple(name.split()): module for name, module, _ in _DELEGATED}
+    for words, module in delegated.items():
+        if tuple(argv[: len(words)]) == words:  # its own parser takes every argument
+            command: Callable[[list[str]], int] = importlib.import_module(module).main
+            return command(argv[len(words) :])
     args = _parser().parse_args(argv)
     try:
         status: int = args.run(args)
@@ -70,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     # The engine-side commands load torch; ``main`` hands them their arguments untouched and
     # imports their modules only when they run. Listed here for ``kvstore --help``.
     for name, _, summary in _DELEGATED:
-        commands.add_parser(name, help=summary, add_help=False)
+        commands.add_parser(name.split()[0], help=summary, add_help=False)
     return parser
 
 
@@ -79,6 +82,11 @@ _DELEGATED = [
         "chat",
         "kvstore.inference_adapter.demo",
         "scripted multi-turn chat on a small random model: TTFT with the store vs recompute",
+    ),
+    (
+        "bench chat",
+        "kvstore.inference_adapter.bench.chat",
+        "bench chat: multi-turn workloads, recompute vs kvstore (TTFT, hit rates, plots)",
     ),
 ]
 

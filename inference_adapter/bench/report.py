@@ -1,0 +1,322 @@
+"""From per-turn records to the figures: summaries, goals, markdown tables and JSON.
+
+Definitions (measured turns only: warm-up turns are left out):
+
+- TTFT: the engine's admission-to-first-token time of the turn (queueing not included).
+- prefill tokens/s: prompt tokens / the sum of TTFTs (a load counts as prefill done).
+- decode tokens/s: tokens generated after the first / the time spent generating them.
+- hit rate: tokens loaded / tokens an unbounded store would have loaded (every full block
+  of history saved earlier; at least one prompt token is always computed). "prefill saved"
+  is tokens loaded / all prompt tokens.
+- tier tokens: loaded tokens by the tier that held them at lookup.
+- logical bytes: every turn's whole KV (prompt and answer, full blocks) as if each request
+  stored its own; stored bytes: the unique blocks the daemon stored; dedup = their ratio.
+- long turns: turns with at least ``LONG_HISTORY`` reusable tokens (turns 2 and later with
+  that much history, or later questions over the shared document); the goal is their
+  kvstore TTFT p50 at most ``TTFT_GOAL`` x recompute's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy
+
+from kvstore.inference_adapter.bench.replay import TurnRecord
+from kvstore.inference_adapter.bench.runner import ModeRun
+
+__all__ = ["Goal", "Summary", "goals", "markdown", "summarize"]
+
+LONG_HISTORY = 2048
+TTFT_GOAL = 0.2
+HIT_RATE_GOAL = 0.85
+TIERS = ("host", "ssd", "redis")
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """One mode (or store configuration) over one workload's measured turns."""
+
+    workload: str
+    mode: str
+    store: str  # "-" for recompute, else the setup's name
+    capacities: str
+    policy: str
+    turns: int
+    ttft_ms: tuple[float, float, float]  # p50, p90, p99
+    long_turns: int
+    long_ttft_p50_ms: float | None
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    prompt_tokens: int
+    reusable_tokens: int
+    loaded_tokens: int
+    tier_tokens: dict[str, int]
+    hit_rate: float | None  # None in recompute mode
+    prefill_saved: float
+    lookup_ms_p50: float
+    load_wait_ms_p50: float
+    compute_ms_p50: float  # TTFT minus lookup and load waits
+    logical_bytes: int | None
+    stored_bytes: int | None
+    daemon_peak_rss_bytes: int | None
+    failed_loads: int
+    dropped_saves: int
+
+    @property
+    def dedup_ratio(self) -> float | None:
+        if not self.logical_bytes or not self.stored_bytes:
+            return None
+        return self.logical_bytes / self.stored_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    """One target of the issue, measured."""
+
+    what: str
+    value: float | None  # None: nothing to measure it on in this run
+    target: str
+    met: bool
+
+    @property
+    def verdict(self) -> str:
+        return "n/a" if self.value is None else "yes" if self.met else "NO"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(numpy.percentile(values, q)) if values else float("nan")
+
+
+def long_turns(records: Sequence[TurnRecord]) -> list[TurnRecord]:
+    return [r for r in records if r.reusable_tokens >= LONG_HISTORY]
+
+
+def summarize(run: ModeRun) -> Summary:
+    """The figures of ``run`` over its measured (non-warm-up) turns."""
+    records = [record for record in run.records if not record.warmup]
+    ttft = [r.ttft_s * 1e3 for r in records]
+    long = [r.ttft_s * 1e3 for r in long_turns(records)]
+    tiers = {tier: sum(r.tier_tokens.get(tier, 0) for r in records) for tier in TIERS}
+    store, reusable = run.store, sum(r.reusable_tokens for r in records)
+    loaded, prompt = sum(r.loaded_tokens for r in records), sum(r.prompt_tokens for r in records)
+    decode_s = sum(r.decode_s for r in records)
+    return Summary(
+        workload=run.workload,
+        mode=run.mode,
+        store=store.setup.name if store else "-",
+        capacities=store.setup.describe() if store else "-",
+        policy=store.setup.policy if store else "-",
+        turns=len(records),
+        ttft_ms=(percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99)),
+        long_turns=len(long),
+        long_ttft_p50_ms=percentile(long, 50) if long else None,
+        prefill_tokens_per_s=prompt / max(sum(r.ttft_s for r in records), 1e-9),
+        decode_tokens_per_s=sum(r.decode_tokens for r in records) / max(decode_s, 1e-9),
+        prompt_tokens=prompt,
+        reusable_tokens=reusable,
+        loaded_tokens=loaded,
+        tier_tokens=tiers,
+        hit_rate=(loaded / reusable if reusable else 0.0) if store else None,
+        prefill_saved=loaded / max(prompt, 1),
+        lookup_ms_p50=percentile([r.lookup_s * 1e3 for r in records], 50),
+        load_wait_ms_p50=percentile([r.load_wait_s * 1e3 for r in records], 50),
+        compute_ms_p50=percentile(
+            [(r.ttft_s - r.lookup_s - r.load_wait_s) * 1e3 for r in records], 50
+        ),
+        logical_bytes=sum(r.logical_blocks for r in run.records) * store.payload_bytes
+        if store
+        else None,
+        stored_bytes=store.stats.puts * store.payload_bytes if store else None,
+        daemon_peak_rss_bytes=store.peak_rss_bytes if store else None,
+        failed_loads=store.connector.failed_loads if store else 0,
+        dropped_saves=store.connector.dropped_saves if store else 0,
+    )
+
+
+def goals(modes: Sequence[Summary], main_sharegpt: Summary | None) -> list[Goal]:
+    """The issue's goals on this machine: long-turn TTFT ratio per workload, ShareGPT hit
+    rate with host + SSD."""
+    found: list[Goal] = []
+    by_workload: dict[str, dict[str, Summary]] = {}
+    for summary in modes:
+        by_workload.setdefault(summary.workload, {})[summary.mode] = summary
+    for workload, pair in by_workload.items():
+        ratio = long_ratio(pair.get("kvstore"), pair.get("recompute"))
+        found.append(
+            Goal(
+                f"{workload}: TTFT p50 of turns with >= {LONG_HISTORY} reusable tokens, "
+                "kvstore / recompute",
+                ratio,
+                f"<= {TTFT_GOAL}",
+                ratio is not None and ratio <= TTFT_GOAL,
+            )
+        )
+    if main_sharegpt is not None and main_sharegpt.hit_rate is not None:
+        rate = main_sharegpt.hit_rate
+        found.append(
+            Goal(
+                f"sharegpt: hit rate with {main_sharegpt.store}",
+                rate,
+                f">= {HIT_RATE_GOAL:.0%}",
+                rate >= HIT_RATE_GOAL,
+            )
+        )
+    return found
+
+
+def long_ratio(kvstore: Summary | None, recompute: Summary | None) -> float | None:
+    if kvstore is None or recompute is None:
+        return None
+    if kvstore.long_ttft_p50_ms is None or not recompute.long_ttft_p50_ms:
+        return None
+    return kvstore.long_ttft_p50_ms / recompute.long_ttft_p50_ms
+
+
+# Markdown ------------------------------------------------------------------------------
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table with padded columns; numeric columns align right."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    numeric = [bool(rows) and all(_is_number(row[i]) for row in rows) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        columns = zip(cells, widths, numeric, strict=True)
+        return "| " + " | ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in columns) + " |"
+
+    rule = ["-" * (w - 1) + ":" if n else "-" * w for w, n in zip(widths, numeric, strict=True)]
+    return [line(header), line(rule), *(line(row) for row in rows)]
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell.rstrip("%x"))
+    except ValueError:
+        return cell == "-"
+    return True
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def mode_rows(summaries: Sequence[Summary]) -> list[str]:
+    header = ("workload", "mode", "turns", "TTFT p50 ms", "p90 ms", "p99 ms",
+              "prefill tok/s", "decode tok/s", "hit rate", "prefill saved")  # fmt: skip
+    rows = [
+        (s.workload, s.mode if s.mode == "recompute" else f"kvstore ({s.store})", str(s.turns),
+         *(_ms(v) for v in s.ttft_ms), f"{s.prefill_tokens_per_s:.0f}",
+         f"{s.decode_tokens_per_s:.0f}", _pct(s.hit_rate), _pct(s.prefill_saved))
+        for s in summaries
+    ]  # fmt: skip
+    return table(header, rows)
+
+
+def store_rows(summaries: Sequence[Summary]) -> list[str]:
+    header = ("workload", "store", "policy", "host tokens", "SSD tokens", "Redis tokens",
+              "logical MiB", "stored MiB", "dedup", "daemon RSS MiB", "failed loads")  # fmt: skip
+    rows = [
+        (s.workload, f"{s.store}: {s.capacities}", s.policy,
+         *(str(s.tier_tokens[tier]) for tier in TIERS), _mib(s.logical_bytes),
+         _mib(s.stored_bytes), _ratio(s.dedup_ratio), _mib(s.daemon_peak_rss_bytes),
+         str(s.failed_loads))
+        for s in summaries
+        if s.mode != "recompute"
+    ]  # fmt: skip
+    return table(header, rows)
+
+
+def long_rows(summaries: Sequence[Summary], recompute: dict[str, Summary]) -> list[str]:
+    header = ("workload", "store", "policy", "long turns", "recompute TTFT p50 ms",
+              "kvstore TTFT p50 ms", "kvstore / recompute")  # fmt: skip
+    rows = []
+    for s in summaries:
+        if s.mode == "recompute" or s.workload not in recompute:
+            continue
+        base = recompute[s.workload]
+        rows.append((s.workload, s.store, s.policy, str(s.long_turns),
+                     _ms(base.long_ttft_p50_ms), _ms(s.long_ttft_p50_ms),
+                     _ratio(long_ratio(s, base))))  # fmt: skip
+    return table(header, rows)
+
+
+def sweep_rows(summaries: Sequence[Summary], recompute: Summary | None) -> list[str]:
+    header = ("store", "capacities", "policy", "hit rate", "host tokens", "SSD tokens",
+              "Redis tokens", "TTFT p50 ms", "p90 ms", "long-turn TTFT / recompute")  # fmt: skip
+    rows = [
+        (s.store, s.capacities, s.policy, _pct(s.hit_rate),
+         *(str(s.tier_tokens[tier]) for tier in TIERS), _ms(s.ttft_ms[0]), _ms(s.ttft_ms[1]),
+         _ratio(long_ratio(s, recompute)))
+        for s in summaries
+    ]  # fmt: skip
+    return table(header, rows)
+
+
+def profile_rows(summaries: Sequence[Summary]) -> list[str]:
+    header = ("workload", "store", "policy", "TTFT p50 ms", "lookup p50 ms",
+              "waiting for loads p50 ms", "compute p50 ms")  # fmt: skip
+    rows = [
+        (s.workload, s.store, s.policy, _ms(s.ttft_ms[0]), f"{s.lookup_ms_p50:.1f}",
+         f"{s.load_wait_ms_p50:.1f}", _ms(s.compute_ms_p50))
+        for s in summaries
+    ]  # fmt: skip
+    return table(header, rows)
+
+
+def goal_rows(found: Sequence[Goal]) -> list[str]:
+    header = ("goal", "measured", "target", "met")
+    rows = [
+        (goal.what, "-" if goal.value is None else f"{goal.value:.2f}", goal.target,
+         goal.verdict)
+        for goal in found
+    ]  # fmt: skip
+    return table(header, rows)
+
+
+def markdown(
+    about: dict[str, str],
+    modes: Sequence[Summary],
+    sweep: Sequence[Summary],
+    found: Sequence[Goal],
+) -> str:
+    """Every table of a run, with the machine and model lines first."""
+    recompute = {s.workload: s for s in modes if s.mode == "recompute"}
+    lines = [f"{key}: {value}" for key, value in about.items()]
+    lines += ["", "Modes (measured turns; TTFT excludes queueing):", "", *mode_rows(modes)]
+    lines += ["", "Store side of the kvstore runs:", "", *store_rows([*modes, *sweep])]
+    lines += ["", f"Turns with >= {LONG_HISTORY} reusable tokens (history or shared document):"]
+    lines += [""]
+    lines += long_rows([*modes, *sweep], recompute)
+    if sweep:
+        lines += ["", "Tier sweep and policy comparison (sharegpt):", ""]
+        lines += sweep_rows(sweep, recompute.get("sharegpt"))
+    lines += ["", "Where the kvstore TTFT goes (engine thread, p50 of each part):", ""]
+    lines += profile_rows([s for s in [*modes, *sweep] if s.mode != "recompute"])
+    lines += ["", "Goals:", "", *goal_rows(found)]
+    return "\n".join(lines) + "\n"
+
+
+def as_json(summary: Summary) -> dict[str, object]:
+    return {**asdict(summary), "dedup_ratio": summary.dedup_ratio}
+
+
+def record_json(record: TurnRecord) -> dict[str, object]:
+    """A turn's record without its tokens (the outputs were checked equal already)."""
+    fields = asdict(record)
+    fields["output_tokens"] = len(fields.pop("output"))
+    return fields
