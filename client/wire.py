@@ -20,6 +20,7 @@ from kvstore.client.errors import ProtocolError
 from kvstore.client.shm import Arena, Payload, Target, as_bytes
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.results import LookupResult, TierStats
 
 __all__ = ["LookupResult", "ServerInfo", "Stats", "TierStats", "WriteStatus"]
 
@@ -48,12 +49,6 @@ _WRITE_STATUSES: Final[Mapping[int, WriteStatus]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class LookupResult:
-    num_blocks: int  # leading blocks of the chain the daemon holds
-    tiers: tuple[str, ...]  # per matched block, the highest tier holding it
-
-
-@dataclass(frozen=True, slots=True)
 class ServerInfo:
     """The daemon's handshake."""
 
@@ -68,18 +63,10 @@ class ServerInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class TierStats:
-    name: str
-    usage_bytes: int
-    capacity_bytes: int
-    blocks: int
-    hits: int
-    evictions: int
-    healthy: bool
-
-
-@dataclass(frozen=True, slots=True)
 class Stats:
+    """The daemon's store statistics (tiers as in :class:`kvstore.results.TierStats`), plus
+    its lookup counters."""
+
     tiers: tuple[TierStats, ...]
     blocks: int
     puts: int
