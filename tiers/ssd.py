@@ -1,8 +1,9 @@
 """The SSD tier: one file per blob in a local directory, rebuilt from its files on restart.
 
 Layout: ``<directory>/<first 2 hex of key>/<key hex>.blk`` holds one record; writes in flight
-live in ``<directory>/tmp/``. A record is self-describing so the tier can check itself without
-knowing anything about KV blocks::
+live in ``<directory>/tmp/``; ``<directory>/quarantine/`` keeps what start-up found in the
+tier's way (moved there, never deleted, never read as records). A record is self-describing
+so the tier can check itself without knowing anything about KV blocks::
 
     offset  size  field
     0       8     magic b"KVSSD001" (the last three digits are the format version)
@@ -17,7 +18,11 @@ Primitives, in the order a tier's life uses them:
 
 1. ``start()`` -- create the directories, delete temp files left by a crash, read every record
    header (never the blobs) to rebuild the index; drop records that are truncated, have a bad
-   header or sit under another key's name; trim the oldest records if over capacity.
+   header or sit under another key's name; trim the oldest records if over capacity. Nothing in
+   the directory makes it fail: entries where a folder of the layout belongs (a file, a
+   symlink, a fifo...) and ``*.blk`` entries that are not regular files go to quarantine,
+   other strangers are left alone, records that cannot be read are skipped. Symlinks are never
+   followed.
 2. ``put()`` -- reserve the bytes, write a temp file, fsync, ``os.replace`` it into place and
    fsync the directory: a reader sees the old blob or the new one, and a crash leaves at most a
    temp file. Writes to one key are serialised; writes to different keys run in parallel.
@@ -72,6 +77,7 @@ class SsdStats:
     dropped_on_start: int
     trimmed_on_start: int
     corrupt_reads: int
+    quarantined_on_start: int
 
 
 class SsdTier:
@@ -102,6 +108,7 @@ class SsdTier:
         self.directory = Path(directory)
         self.dropped_on_start = 0
         self.trimmed_on_start = 0
+        self.quarantined_on_start = 0
         self.corrupt_reads = 0
         self._capacity = capacity_bytes
         self._fsync = fsync
@@ -120,7 +127,13 @@ class SsdTier:
         await self.aclose()
 
     async def start(self) -> None:
-        """Creates the directories and rebuilds the index from the record files."""
+        """Creates the directories and rebuilds the index from the record files.
+
+        Entries in the tier's way are moved to ``quarantine/``, never a reason to fail.
+
+        Raises:
+            OSError: ``directory`` cannot be created or is not a readable, writable directory.
+        """
         if self._open:
             return
         found = await _in_io_thread(ssd_files.recover, self.directory, self._capacity)
@@ -128,10 +141,13 @@ class SsdTier:
         self._used = sum(found.index.values())
         self.dropped_on_start = found.dropped
         self.trimmed_on_start = found.trimmed
+        self.quarantined_on_start = found.quarantined
         self._open = True
         logger.info(
-            "ssd tier %s: %d records, %d bytes; dropped %d bad files, trimmed %d records",
+            "ssd tier %s: %d records, %d bytes; dropped %d bad files, trimmed %d records, "
+            "quarantined %d entries",
             self.name, len(self._index), self._used, found.dropped, found.trimmed,
+            found.quarantined,
         )  # fmt: skip
 
     async def aclose(self) -> None:
@@ -239,6 +255,7 @@ class SsdTier:
             dropped_on_start=self.dropped_on_start,
             trimmed_on_start=self.trimmed_on_start,
             corrupt_reads=self.corrupt_reads,
+            quarantined_on_start=self.quarantined_on_start,
         )
 
     def _checked(self, key: bytes) -> bytes:

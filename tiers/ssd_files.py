@@ -4,19 +4,26 @@ A record file holds one blob under its key (format in :mod:`kvstore.tiers.ssd`).
 here blocks: the tier runs it in a worker thread, never on the event loop.
 
 - ``encode_header`` / ``decode_header``: the 24-byte record header (+ key);
-- ``recover(root, capacity)``: scan a directory at start (headers only), dropping bad records
-  and trimming the oldest beyond capacity;
+- ``recover(root, capacity)``: prepare a directory at start and scan it (headers only),
+  dropping bad records and trimming the oldest beyond capacity. It never fails because of what
+  the directory holds: whatever sits where a prefix folder or ``tmp/`` belongs, ``*.blk``
+  entries that are not regular files and folders inside ``tmp/`` are moved into
+  ``<root>/quarantine/`` (never scanned, never deleted); other entries in prefix folders are
+  not ours and are left alone; records it cannot read are skipped. Symlinks are never followed;
 - ``write_file`` (temp file, fsync, rename, directory fsync), ``read_file``,
   ``remove_if_same`` (never deletes a newer record that replaced a bad one).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import struct
+import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +39,8 @@ _CRC = struct.Struct("<I")
 HEADER_BYTES = _FIELDS.size + _CRC.size  # 24
 SUFFIX = ".blk"
 TMP_DIR = "tmp"
+QUARANTINE_DIR = "quarantine"
+PREFIXES = tuple(f"{prefix:02x}" for prefix in range(256))
 
 
 class CorruptRecordError(Exception):
@@ -71,9 +80,12 @@ def decode_header(head: bytes) -> tuple[bytes, int]:
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
+    """What ``recover`` found: the index and what it deleted, trimmed and moved aside."""
+
     index: dict[bytes, int]
     dropped: int
     trimmed: int
+    quarantined: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,51 +97,179 @@ class _Found:
 
 
 def recover(root: Path, capacity: int) -> Recovery:
-    tmp = root / TMP_DIR
-    tmp.mkdir(parents=True, exist_ok=True)
-    for prefix in range(256):
-        (root / f"{prefix:02x}").mkdir(exist_ok=True)
+    """Prepares the tier's directory and rebuilds the index from its record headers.
+
+    Nothing found inside ``root`` makes this fail: an entry where a prefix folder or ``tmp/``
+    belongs (a file, a symlink, a fifo...) and a ``*.blk`` entry that is not a regular file are
+    moved into ``quarantine/``; other strangers in prefix folders are left alone; a record that
+    cannot be read is skipped and kept; bad records and temp files are deleted.
+
+    Args:
+        root: The tier's directory; created if missing. Symlinks inside it are never followed.
+        capacity: Most record bytes to keep; the oldest records beyond it are deleted.
+
+    Returns:
+        The index (key -> record bytes) and the counts of files dropped, trimmed, quarantined.
+
+    Raises:
+        OSError: ``root`` cannot be created, is not a directory or is not readable and
+            writable; the message names it.
+    """
+    _check_root(root)
+    quarantine = _Quarantine(root)
+    tmp_ok = _ensure_folder(root / TMP_DIR, quarantine)
+    folders = [root / name for name in PREFIXES if _ensure_folder(root / name, quarantine)]
     _fsync_dir(root)
-    dropped = 0
-    for leftover in tmp.iterdir():
-        remove_quietly(leftover)
-        dropped += 1
-    found: list[_Found] = []
-    for path in _record_files(root):
-        record = _check_file(path)
-        if record is None:
-            remove_quietly(path)
-            dropped += 1
-        else:
-            found.append(record)
+    dropped = _clear_tmp(root / TMP_DIR, quarantine) if tmp_ok else 0
+    found, bad = _scan(folders, quarantine)
     kept = _trim(found, capacity)
-    return Recovery({r.key: r.size for r in kept}, dropped, len(found) - len(kept))
+    index = {record.key: record.size for record in kept}
+    return Recovery(index, dropped + bad, len(found) - len(kept), quarantine.moved)
 
 
-def _record_files(root: Path) -> Iterable[Path]:
-    # Only the 256 prefix folders: other entries (lost+found on a mount point) are not ours.
-    for prefix in range(256):
-        for path in (root / f"{prefix:02x}").iterdir():
-            if path.name.endswith(SUFFIX):
-                yield path
+def _check_root(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:  # exist_ok only lets an existing directory through
+        raise NotADirectoryError(
+            errno.ENOTDIR, "ssd: the tier directory is not a directory", str(root)
+        ) from exc
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"ssd: cannot create the tier directory: {exc.strerror}", str(root)
+        ) from exc
+    if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES, "ssd: the tier directory is not readable and writable", str(root)
+        )
+
+
+def _ensure_folder(path: Path, quarantine: _Quarantine) -> bool:
+    """Makes ``path`` a plain directory, first moving whatever else is there to quarantine;
+    returns whether it is one (if not, the failure is logged and its records are unavailable)."""
+    try:
+        mode: int | None = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        logger.error("ssd: cannot inspect %s, not using it: %s", path, exc)
+        return False
+    if mode is not None and stat.S_ISDIR(mode):
+        return True
+    if mode is not None and not quarantine.move(path, _kind(mode)):
+        return False
+    try:
+        os.mkdir(path)
+    except OSError as exc:
+        logger.error("ssd: cannot create directory %s, not using it: %s", path, exc)
+        return False
+    return True
+
+
+def _clear_tmp(tmp: Path, quarantine: _Quarantine) -> int:
+    """Deletes what a crash left in ``tmp/`` (a subdirectory goes to quarantine); returns how
+    many files it deleted."""
+    dropped = 0
+    for entry in _list(tmp):
+        path = Path(entry.path)
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError as exc:
+            logger.warning("ssd: cannot inspect %s, leaving it: %s", path, exc)
+            continue
+        if is_dir:
+            quarantine.move(path, "directory")
+        elif _drop(path):
+            dropped += 1
+    return dropped
+
+
+def _scan(folders: list[Path], quarantine: _Quarantine) -> tuple[list[_Found], int]:
+    """Returns the good records in the prefix ``folders`` and how many bad ones it deleted."""
+    found: list[_Found] = []
+    dropped = 0
+    for folder in folders:
+        for path in _record_files(folder, quarantine):
+            try:
+                record = _check_file(path)
+            except OSError as exc:
+                logger.warning("ssd: skipping %s, cannot read it (left in place): %s", path, exc)
+                continue
+            if record is not None:
+                found.append(record)
+            elif _drop(path):
+                dropped += 1
+    return found, dropped
+
+
+def _record_files(folder: Path, quarantine: _Quarantine) -> list[Path]:
+    """Returns the regular ``*.blk`` files in a prefix folder. A ``*.blk`` entry that is not a
+    regular file goes to quarantine; any other entry is not ours and is left alone."""
+    paths: list[Path] = []
+    for entry in _list(folder):
+        path = Path(entry.path)
+        try:
+            mode = entry.stat(follow_symlinks=False).st_mode
+        except OSError as exc:
+            logger.warning("ssd: cannot inspect %s, leaving it: %s", path, exc)
+            continue
+        if not entry.name.endswith(SUFFIX):
+            logger.warning("ssd: leaving %s alone: a %s that is not a record", path, _kind(mode))
+        elif stat.S_ISREG(mode):
+            paths.append(path)
+        else:
+            quarantine.move(path, _kind(mode))
+    return paths
+
+
+def _list(folder: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except OSError as exc:
+        logger.warning("ssd: cannot list %s, skipping what it holds: %s", folder, exc)
+        return []
 
 
 def _check_file(path: Path) -> _Found | None:
-    try:
-        with path.open("rb") as file:
+    """Returns the record in ``path``, or ``None`` (logged) when the file is not a whole record
+    under its own name.
+
+    Raises:
+        OSError: The file cannot be opened or read (it may be fine: it is not deleted).
+    """
+    with open(path, "rb", opener=_open_no_follow) as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):  # swapped since the folder was listed
+            raise OSError(f"it is now a {_kind(info.st_mode)}")
+        try:
             key, blob_len = decode_header(file.read(HEADER_BYTES + MAX_KEY_BYTES))
-            stat = os.fstat(file.fileno())
-    except (OSError, CorruptRecordError) as exc:
-        logger.warning("ssd: dropping %s: %s", path, exc)
-        return None
+        except CorruptRecordError as exc:
+            logger.warning("ssd: dropping %s: %s", path, exc)
+            return None
     size = record_overhead(len(key)) + blob_len
-    if stat.st_size != size:
-        logger.warning("ssd: dropping %s: %d bytes, header says %d", path, stat.st_size, size)
+    if info.st_size != size:
+        logger.warning("ssd: dropping %s: %d bytes, header says %d", path, info.st_size, size)
         return None
     if path.name != f"{key.hex()}{SUFFIX}" or path.parent.name != key.hex()[:2]:
         logger.warning("ssd: dropping %s: it holds key %s", path, key.hex())
         return None
-    return _Found(key, size, stat.st_mtime_ns, path)
+    return _Found(key, size, info.st_mtime_ns, path)
+
+
+def _open_no_follow(path: str, flags: int) -> int:
+    # No symlinks out of the directory; O_NONBLOCK: a fifo swapped in cannot hang the open.
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _drop(path: Path) -> bool:
+    """Deletes a bad record or temp file; returns ``False`` (logged) when it cannot."""
+    try:
+        remove_quietly(path)
+    except OSError as exc:
+        logger.warning("ssd: cannot delete %s: %s", path, exc)
+        return False
+    return True
 
 
 def _trim(found: list[_Found], capacity: int) -> list[_Found]:
@@ -138,12 +278,86 @@ def _trim(found: list[_Found], capacity: int) -> list[_Found]:
     excess = sum(record.size for record in found) - capacity
     cut = 0
     while excess > 0:
-        remove_quietly(found[cut].path)
+        _drop(found[cut].path)
         excess -= found[cut].size
         cut += 1
     if cut:
         logger.warning("ssd: over capacity at start, deleted the %d oldest records", cut)
     return found[cut:]
+
+
+class _Quarantine:
+    """Moves entries that are in the tier's way into ``<root>/quarantine/``, never deleting
+    them; the folder is created on first use and is never scanned for records."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.folder = root / QUARANTINE_DIR
+        self.moved = 0
+        self._ready = False
+
+    def move(self, path: Path, kind: str) -> bool:
+        """Moves ``path`` (a ``kind``, for the log) into quarantine under a name of its own.
+
+        Returns:
+            Whether it moved; a failure is logged and leaves ``path`` where it was.
+        """
+        try:
+            self._prepare()
+            target = _unused_name(self.folder, "-".join(path.relative_to(self.root).parts))
+            os.rename(path, target)
+        except OSError as exc:
+            logger.error("ssd: %s is a %s in the way, cannot quarantine it: %s", path, kind, exc)
+            return False
+        self.moved += 1
+        logger.warning("ssd: %s is a %s in the way, moved it to %s", path, kind, target)
+        return True
+
+    def _prepare(self) -> None:
+        if self._ready:
+            return
+        try:
+            mode: int | None = os.lstat(self.folder).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is None:
+            os.mkdir(self.folder)
+        elif not stat.S_ISDIR(mode):  # a stranger holds the name: it goes in there too
+            aside = _unused_name(self.root, QUARANTINE_DIR)
+            os.rename(self.folder, aside)
+            os.mkdir(self.folder)
+            target = _unused_name(self.folder, QUARANTINE_DIR)
+            os.rename(aside, target)
+            self.moved += 1
+            logger.warning(
+                "ssd: %s is a %s in the way, moved it to %s", self.folder, _kind(mode), target
+            )
+        self._ready = True
+
+
+def _unused_name(folder: Path, name: str) -> Path:
+    """Returns ``folder/<name>.<time ns>``, with a counter appended if that is taken."""
+    base = f"{name}.{time.time_ns()}"
+    candidate, count = folder / base, 0
+    while os.path.lexists(candidate):
+        count += 1
+        candidate = folder / f"{base}.{count}"
+    return candidate
+
+
+_KINDS: tuple[tuple[Callable[[int], bool], str], ...] = (
+    (stat.S_ISLNK, "symlink"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISREG, "regular file"),
+    (stat.S_ISFIFO, "fifo"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISCHR, "character device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for is_kind, name in _KINDS if is_kind(mode)), "special file")
 
 
 def write_file(tmp: Path, path: Path, header: bytes, view: memoryview, fsync: bool) -> None:

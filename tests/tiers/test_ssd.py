@@ -6,8 +6,12 @@ Everything runs on real files in a temp directory; mocks only inject faults.
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import random
+import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,18 @@ def record_files(directory: Path) -> list[Path]:
 
 def temp_files(directory: Path) -> list[Path]:
     return sorted((directory / "tmp").iterdir())
+
+
+def prefixed_key(first: int, i: int) -> bytes:
+    return bytes([first]) + key(i)[1:]  # a block key whose record sits in folder f"{first:02x}"
+
+
+def quarantined(directory: Path) -> dict[str, Path]:
+    """Returns what sits in ``quarantine/``, by the name it had (``ab-<name>`` inside ``ab/``)."""
+    return {
+        re.sub(r"(\.\d+){1,2}$", "", path.name): path
+        for path in (directory / "quarantine").iterdir()
+    }
 
 
 async def test_restart_reads_every_blob_back(tmp_path: Path) -> None:
@@ -268,3 +284,203 @@ def test_bad_constructor_args_name_the_value(
     args: dict[str, object] = {"directory": tmp_path, "capacity_bytes": MIB, **kwargs}
     with pytest.raises(ValueError, match=message):
         SsdTier(**args)  # type: ignore[arg-type]
+
+
+async def test_entries_in_the_way_of_the_layout_are_quarantined(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, outside = tmp_path / "tier", tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "theirs.txt").write_bytes(b"not the tier's")
+    root.mkdir()
+    (root / "00").write_bytes(b"a file where a prefix folder belongs")
+    (root / "ab").symlink_to(outside, target_is_directory=True)
+    (root / "tmp").write_bytes(b"a file where tmp/ belongs")
+    os.mkfifo(root / "cd")
+    blobs = {prefixed_key(first, 1): bytes([first]) * 3000 for first in (0x00, 0xAB, 0xCD)}
+
+    with caplog.at_level(logging.WARNING):
+        async with SsdTier(root, MIB) as tier:
+            assert tier.stats().quarantined_on_start == 4
+            assert list(tier.keys()) == []
+            for k, blob in blobs.items():
+                assert await tier.put(k, blob)
+            for k, blob in blobs.items():
+                assert await tier.get(k) == blob
+            assert tier.usage() == 3 * (record_overhead(32) + 3000)
+
+    moved = quarantined(root)
+    assert sorted(moved) == ["00", "ab", "cd", "tmp"]
+    assert moved["00"].read_bytes() == b"a file where a prefix folder belongs"
+    assert moved["tmp"].read_bytes() == b"a file where tmp/ belongs"
+    assert os.readlink(moved["ab"]) == str(outside)
+    assert stat.S_ISFIFO(moved["cd"].lstat().st_mode)
+    assert [path.name for path in outside.iterdir()] == ["theirs.txt"]  # nothing went through
+    assert (outside / "theirs.txt").read_bytes() == b"not the tier's"
+    for name in ("00", "ab", "cd", "tmp"):
+        assert (root / name).is_dir() and not (root / name).is_symlink()
+    assert f"{root / '00'} is a regular file in the way, moved it to {moved['00']}" in caplog.text
+    assert f"{root / 'ab'} is a symlink in the way, moved it to {moved['ab']}" in caplog.text
+    assert f"{root / 'cd'} is a fifo in the way, moved it to {moved['cd']}" in caplog.text
+
+    # Quarantine is never read as records, even a valid record in a folder named like a prefix.
+    hidden = prefixed_key(0xAB, 1)
+    (root / "quarantine" / "ab").mkdir()
+    record = SsdTier(root, MIB).path_of(hidden)
+    raw = record.read_bytes()
+    record.rename(root / "quarantine" / "ab" / record.name)
+    async with SsdTier(root, MIB) as again:
+        assert (again.dropped_on_start, again.quarantined_on_start) == (0, 0)
+        assert sorted(again.keys()) == sorted(k for k in blobs if k != hidden)
+        assert again.usage() == 2 * (record_overhead(32) + 3000)
+    assert sorted(path.name for path in (root / "quarantine").iterdir()) == sorted(
+        [path.name for path in moved.values()] + ["ab"]
+    )
+    assert (root / "quarantine" / "ab" / record.name).read_bytes() == raw
+
+
+async def test_strangers_in_a_prefix_folder_are_never_records(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, outside = tmp_path / "tier", tmp_path / "elsewhere"
+    outside.mkdir()
+    kept, linked, nested, blocked = (prefixed_key(0x5A, i) for i in range(4))
+    async with SsdTier(root, MIB) as tier:
+        for k in (kept, linked, nested):
+            assert await tier.put(k, k * 10)
+        paths = {k: tier.path_of(k) for k in (kept, linked, nested, blocked)}
+    folder = root / "5a"
+    linked_raw, nested_raw = paths[linked].read_bytes(), paths[nested].read_bytes()
+    # A valid record elsewhere, reached only through a symlink named like the record.
+    target = outside / paths[linked].name
+    paths[linked].rename(target)
+    paths[linked].symlink_to(target)
+    # A valid record inside a subdirectory named like the record's key.
+    subdir = folder / nested.hex()
+    subdir.mkdir()
+    paths[nested].rename(subdir / paths[nested].name)
+    # A directory where a record belongs, and a file that is not a record.
+    paths[blocked].mkdir()
+    (paths[blocked] / "inside").write_bytes(b"someone's data")
+    notes = folder / "notes.txt"
+    notes.write_bytes(b"operator notes")
+
+    with caplog.at_level(logging.WARNING):
+        async with SsdTier(root, MIB) as again:
+            assert list(again.keys()) == [kept]
+            assert again.usage() == record_overhead(32) + 320
+            assert (again.dropped_on_start, again.quarantined_on_start) == (0, 2)
+            assert await again.get(linked) is None
+            assert await again.put(linked, b"new blob")
+            assert await again.get(linked) == b"new blob"
+            assert await again.put(blocked, b"fresh blob")
+            assert await again.get(blocked) == b"fresh blob"
+
+    assert paths[linked].is_file() and not paths[linked].is_symlink()
+    assert target.read_bytes() == linked_raw  # the put replaced the link, not its target
+    assert notes.read_bytes() == b"operator notes"
+    assert [path.name for path in subdir.iterdir()] == [paths[nested].name]
+    assert (subdir / paths[nested].name).read_bytes() == nested_raw
+    moved = quarantined(root)
+    assert sorted(moved) == sorted(f"5a-{paths[k].name}" for k in (linked, blocked))
+    assert os.readlink(moved[f"5a-{paths[linked].name}"]) == str(target)
+    assert (moved[f"5a-{paths[blocked].name}"] / "inside").read_bytes() == b"someone's data"
+    assert caplog.text.count(f"leaving {notes} alone: a regular file that is not a record") == 1
+    assert caplog.text.count(f"leaving {subdir} alone: a directory that is not a record") == 1
+
+
+@pytest.mark.parametrize("error", [errno.EACCES, errno.EIO])
+async def test_unreadable_record_is_skipped_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    async with SsdTier(tmp_path, MIB) as tier:
+        await tier.put(key(1), b"a" * 1000)
+        await tier.put(key(2), b"b" * 1000)
+        bad = tier.path_of(key(2))
+    raw = bad.read_bytes()
+    if error == errno.EACCES:
+        bad.chmod(0)
+    if error != errno.EACCES or os.access(bad, os.R_OK):  # root reads through chmod 000
+        real_open = os.open
+
+        def failing_open(path: str, flags: int, *args: int, **kwargs: int) -> int:
+            if os.fspath(path) == str(bad):
+                raise OSError(error, os.strerror(error), str(bad))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", failing_open)
+
+    async with SsdTier(tmp_path, MIB) as again:
+        assert list(again.keys()) == [key(1)]
+        assert again.usage() == record_overhead(32) + 1000
+        assert again.dropped_on_start == 0
+        assert not await again.contains(key(2))
+        assert await again.get(key(2)) is None
+    monkeypatch.undo()
+    bad.chmod(0o644)
+    assert bad.read_bytes() == raw  # skipped, not deleted: readable again, it is adopted again
+    async with SsdTier(tmp_path, MIB) as healed:
+        assert sorted(healed.keys()) == [key(1), key(2)]
+        assert await healed.get(key(2)) == b"b" * 1000
+
+
+async def test_folder_inside_tmp_is_quarantined_and_temp_files_deleted(tmp_path: Path) -> None:
+    root, outside = tmp_path / "tier", tmp_path / "elsewhere.bin"
+    outside.write_bytes(b"keep me")
+    async with SsdTier(root, MIB) as tier:
+        await tier.put(key(1), b"x" * 100)
+    stuck = root / "tmp" / "stuck"
+    stuck.mkdir()
+    (stuck / "partial.tmp").write_bytes(b"half")
+    (root / "tmp" / "leftover.tmp").write_bytes(b"y" * 10)
+    (root / "tmp" / "link.tmp").symlink_to(outside)
+
+    async with SsdTier(root, MIB) as again:
+        assert (again.dropped_on_start, again.quarantined_on_start) == (2, 1)
+        assert list(again.keys()) == [key(1)]
+        assert temp_files(root) == []
+        assert await again.put(key(2), b"z" * 50)
+        assert await again.get(key(2)) == b"z" * 50
+        assert again.usage() == 2 * record_overhead(32) + 150
+    moved = quarantined(root)
+    assert sorted(moved) == ["tmp-stuck"]
+    assert (moved["tmp-stuck"] / "partial.tmp").read_bytes() == b"half"
+    assert outside.read_bytes() == b"keep me"
+
+
+async def test_file_named_quarantine_goes_into_quarantine(tmp_path: Path) -> None:
+    (tmp_path / "quarantine").write_bytes(b"was here first")
+    (tmp_path / "ef").write_bytes(b"in the way")
+    async with SsdTier(tmp_path, MIB) as tier:
+        assert tier.quarantined_on_start == 2
+        assert await tier.put(prefixed_key(0xEF, 1), b"blob")
+        assert await tier.get(prefixed_key(0xEF, 1)) == b"blob"
+    moved = quarantined(tmp_path)
+    assert sorted(moved) == ["ef", "quarantine"]
+    assert moved["quarantine"].read_bytes() == b"was here first"
+    assert moved["ef"].read_bytes() == b"in the way"
+
+
+async def test_directory_that_is_a_file_fails_naming_it(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    root.write_bytes(b"not a directory")
+    tier = SsdTier(root, MIB)
+    with pytest.raises(NotADirectoryError, match=re.escape(f"not a directory: '{root}'")):
+        await tier.start()
+    assert not tier.healthy()
+    assert root.read_bytes() == b"not a directory"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod")
+async def test_directory_it_cannot_write_fails_naming_it(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        with pytest.raises(
+            PermissionError, match=re.escape(f"not readable and writable: '{root}'")
+        ):
+            await SsdTier(root, MIB).start()
+    finally:
+        root.chmod(0o700)
+    assert list(root.iterdir()) == []
