@@ -10,6 +10,7 @@ daemon: lookup, get/view, put, prefetch, delete, stats, health. Errors are the c
 
 from kvstore.client.client import AsyncKVStoreClient
 from kvstore.client.errors import (
+    CorruptBlockError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -31,6 +32,7 @@ from kvstore.client.wire import LookupResult, ServerInfo, Stats, TierStats, Writ
 __all__ = [
     "ROOT_KEY",
     "AsyncKVStoreClient",
+    "CorruptBlockError",
     "DeadlineExceededError",
     "FailedPreconditionError",
     "InvalidArgumentError",

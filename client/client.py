@@ -2,9 +2,10 @@
 
 Primitives, in the order an engine uses them:
 
-1. ``connect()``: Handshake; maps the daemon's arena when it is on this host (``data_plane``
-   says ``"shm"``), else KV bytes are streamed over gRPC (``"stream"``). ``aclose()`` or
-   ``async with`` ends it.
+1. ``connect()``: Handshake. When the daemon is on this host (``data_plane`` says ``"shm"``),
+   the first data-plane call of a tenant opens an shm session: the tenant's arena mapped
+   read-only, and a staging area for puts; else KV bytes are streamed over gRPC
+   (``"stream"``). ``aclose()`` or ``async with`` ends it.
 2. ``register(namespace)`` -> the digest other calls carry (cached; a daemon that forgot it,
    e.g. after a restart, is answered by re-registering and retrying once, transparently).
 3. ``lookup(namespace, keys)`` -> how many leading blocks are held (``lookup_tiers``: and where).
@@ -15,7 +16,11 @@ Primitives, in the order an engine uses them:
 
 Idempotent calls (Handshake, RegisterNamespace, Lookup, the Get stream, Prefetch, Delete,
 Stats) are retried with jittered exponential backoff on UNAVAILABLE and DEADLINE_EXCEEDED;
-Acquire, Reserve, Commit and Put never are. Errors are :mod:`kvstore.client.errors` classes.
+Acquire, Reserve, Commit and Put never are. A lease is always released, also when its call is
+cancelled or times out (the client names it before the call). With ``verify=True`` every
+block read is checked against the checksum recorded when it was stored
+(:class:`CorruptBlockError` on a mismatch) and puts send their checksums. Errors are
+:mod:`kvstore.client.errors` classes.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class AsyncKVStoreClient:
         tls_root_cert: PEM root certificate(s); set for a TLS TCP listener.
         timeout: Seconds per call attempt.
         retries: Extra attempts of idempotent calls on UNAVAILABLE or DEADLINE_EXCEEDED.
+        verify: Check every block read against its stored checksum; send checksums on puts.
+        staging_bytes: The staging area to ask for per shm session (puts in flight at once).
 
     Raises:
         ValueError: A malformed address, a timeout <= 0 or retries < 0.
@@ -66,6 +73,8 @@ class AsyncKVStoreClient:
         tls_root_cert: bytes | None = None,
         timeout: float = 10.0,
         retries: int = 3,
+        verify: bool = False,
+        staging_bytes: int = 256 << 20,
     ) -> None:
         self._conn = Connection(
             address,
@@ -74,7 +83,9 @@ class AsyncKVStoreClient:
             tls_root_cert=tls_root_cert,
             timeout=timeout,
             retries=retries,
+            staging_bytes=staging_bytes,
         )
+        self.verify = verify
 
     async def connect(self) -> None:
         """Opens the channel, shakes hands and maps the arena if it can; again: no-op.
@@ -104,8 +115,8 @@ class AsyncKVStoreClient:
 
     @property
     def data_plane(self) -> Literal["shm", "stream"]:
-        """``"shm"`` when KV bytes move through the mapped arena, else ``"stream"``."""
-        return "shm" if self._conn.arena is not None else "stream"
+        """``"shm"`` when KV bytes move through shared memory, else ``"stream"``."""
+        return "shm" if self._conn.shm_possible else "stream"
 
     @property
     def server_info(self) -> ServerInfo:
@@ -251,20 +262,24 @@ class AsyncKVStoreClient:
             return []
 
         async def get(digest: bytes) -> list[bytes] | list[TargetT]:
-            leased = await transfer.acquire(self._conn, digest, keys, size)
-            if leased is None:
-                return await transfer.get_stream(self._conn, digest, keys, size, out)
-            lease_id, slots, arena = leased
+            session = await self._conn.session(namespace.tenant)
+            if session is None:
+                return await transfer.get_stream(
+                    self._conn, digest, keys, size, out, verify=self.verify
+                )
+            leased = await transfer.acquire(
+                self._conn, session, digest, keys, size, verify=self.verify
+            )
             try:
                 if out is None:
-                    result: list[bytes] | list[TargetT] = await arena.read(slots)
+                    result: list[bytes] | list[TargetT] = await leased.arena.read(leased.slots)
                 else:
-                    await arena.copy_out(slots, out[: len(slots)])
-                    result = list(out[: len(slots)])
+                    await leased.arena.copy_out(leased.slots, out[: len(leased.slots)])
+                    result = list(out[: len(leased.slots)])
             except BaseException:
-                await transfer.release(self._conn, lease_id, quietly=True)
+                await self._conn.release_quietly(leased.lease_id)
                 raise
-            await transfer.release(self._conn, lease_id)
+            await transfer.release(self._conn, leased.lease_id)  # it expired: raises
             return result
 
         return await self._conn.in_namespace(namespace, get)
@@ -349,10 +364,14 @@ class AsyncKVStoreClient:
         specs = wire.block_specs(keys, parent, namespace.model.block_tokens)
 
         async def put(digest: bytes) -> list[WriteStatus]:
-            arena = await self._conn.fresh_arena()
-            if arena is None:
-                return await transfer.put_stream(self._conn, digest, specs, blocks)
-            return await transfer.put_shm(self._conn, digest, specs, blocks, size, arena)
+            session = await self._conn.session(namespace.tenant)
+            if session is None or session.budget.slot_bytes(size) > session.budget.total:
+                return await transfer.put_stream(
+                    self._conn, digest, specs, blocks, verify=self.verify
+                )
+            return await transfer.put_shm(
+                self._conn, session, digest, specs, blocks, size, verify=self.verify
+            )
 
         return await self._conn.in_namespace(namespace, put)
 
@@ -367,17 +386,21 @@ class AsyncKVStoreClient:
             yield None
             return
 
-        async def acquire(digest: bytes) -> tuple[int, Slots, Arena] | None:
-            return await transfer.acquire(self._conn, digest, keys, size)
+        async def acquire(digest: bytes) -> transfer.Leased | None:
+            session = await self._conn.session(namespace.tenant)
+            if session is None:
+                return None
+            return await transfer.acquire(
+                self._conn, session, digest, keys, size, verify=self.verify
+            )
 
         leased = await self._conn.in_namespace(namespace, acquire)
         if leased is None:
             yield None
             return
-        lease_id, slots, arena = leased
         try:
-            yield arena, slots
+            yield leased.arena, leased.slots
         except BaseException:
-            await transfer.release(self._conn, lease_id, quietly=True)
+            await self._conn.release_quietly(leased.lease_id)
             raise
-        await transfer.release(self._conn, lease_id)
+        await transfer.release(self._conn, leased.lease_id)

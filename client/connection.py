@@ -2,16 +2,20 @@
 
 :class:`Connection` is what the client's operations stand on:
 
-1. ``open()``: channel, Handshake, arena mapped when it is this host's (``arena`` is then set),
-   and a watcher that marks the arena stale whenever the connection drops (the daemon may
-   come back as another process, with another arena). ``aclose()`` undoes it all.
+1. ``open()``: channel, Handshake, and a watcher that marks the shm sessions stale whenever
+   the connection drops (the daemon may come back as another process, with other arenas).
+   ``aclose()`` undoes it all.
 2. ``unary(method, request, reply_type, idempotent=...)``: one call with the bearer token,
    the timeout, retries for idempotent calls and grpc errors mapped to the client's tree.
 3. ``register(namespace)`` -> digest (cached); ``in_namespace(namespace, call)`` runs
    ``call(digest)`` and, when the daemon forgot the namespace or restarted meanwhile, shakes
    hands again, re-registers and runs it once more.
-4. ``fresh_arena()`` before a data-plane call, ``check_fresh(arena)`` after the daemon
-   answered it: a lease's slots are never read from an arena the daemon no longer owns.
+4. ``session(tenant)`` before a data-plane call: the shm session of that tenant (opened on
+   first use, after a new handshake if the daemon may have restarted), or ``None`` to stream;
+   ``check_fresh(session, ...)`` after the daemon answered: a lease's slots are never read
+   from an arena the daemon no longer owns.
+5. ``release_soon(lease_id)``: ends a lease in the background, whatever happens to the
+   caller; ``aclose`` waits for those releases.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 from collections.abc import Awaitable, Callable
 from typing import Final, TypeVar
@@ -29,17 +34,19 @@ from google.protobuf.message import Message
 from kvstore.client import wire
 from kvstore.client.errors import (
     TRANSIENT,
+    KVStoreError,
     NotConnectedError,
     ProtocolError,
     UnavailableError,
     UnknownNamespaceError,
     error_from_rpc,
 )
-from kvstore.client.shm import Arena
+from kvstore.client.shm import ShmSession
 from kvstore.client.wire import ServerInfo
 from kvstore.namespace import Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.shm_wire import Hello, SessionError
 
 __all__ = ["Connection", "StaleArenaError"]
 
@@ -64,6 +71,10 @@ class StaleArenaError(Exception):
     """The connection dropped during a data-plane call: its slots may name another arena."""
 
 
+class UnknownSessionError(Exception):
+    """The daemon does not know the shm session a call named (it restarted, or closed it)."""
+
+
 class Connection:
     """See the module docstring; the arguments are :class:`AsyncKVStoreClient`'s."""
 
@@ -76,6 +87,7 @@ class Connection:
         tls_root_cert: bytes | None,
         timeout: float,
         retries: int,
+        staging_bytes: int = 256 << 20,
     ) -> None:
         if not address.startswith("unix:") and not address.rpartition(":")[2].isdigit():
             raise ValueError(
@@ -87,8 +99,12 @@ class Connection:
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout
         self.retries = retries
-        self.arena: Arena | None = None
+        self.sessions: dict[str, ShmSession] = {}
+        self._token = token or ""
+        self._staging_bytes = staging_bytes
         self._use_shm = use_shm
+        self._no_shm: set[str] = set()  # tenants whose session the daemon refused
+        self._releases: set[asyncio.Task[None]] = set()
         self._tls_root_cert = tls_root_cert
         self._channel: grpc.aio.Channel | None = None
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
@@ -98,6 +114,7 @@ class Connection:
         self._stale = False
         self._stale_always = False
         self._refresh_lock = asyncio.Lock()
+        self._session_lock = asyncio.Lock()
 
     async def open(self) -> None:
         """Opens the channel and shakes hands; a second call does nothing."""
@@ -117,15 +134,16 @@ class Connection:
         self._watcher = asyncio.create_task(self._watch(), name=f"kvstore-watch {self.address}")
 
     async def aclose(self) -> None:
-        """Stops the watcher, unmaps the arena once its copies are done, closes the channel."""
+        """Stops the watcher, waits for background releases, ends the shm sessions once their
+        copies are done, closes the channel."""
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        arena, self.arena = self.arena, None
-        if arena is not None:
-            await arena.aclose()
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
+        await self._close_sessions()
         channel, self._channel, self._stub, self._info = self._channel, None, None, None
         if channel is not None:
             await channel.close()
@@ -223,54 +241,114 @@ class Connection:
         return digest
 
     async def in_namespace(self, namespace: Namespace, call: Callable[[bytes], Awaitable[R]]) -> R:
-        """Runs ``call(digest)``; when the daemon forgot the namespace or restarted meanwhile,
-        shakes hands again, re-registers and runs it once more."""
+        """Runs ``call(digest)``; when the daemon forgot the namespace or the shm session, or
+        restarted meanwhile, shakes hands again, re-registers and runs it once more."""
         try:
             return await call(await self.register(namespace))
-        except (UnknownNamespaceError, StaleArenaError) as error:
+        except (UnknownNamespaceError, StaleArenaError, UnknownSessionError) as error:
             log.info("%s: %s; shaking hands and registering again", self.address, error)
-        await self.refresh()
+        await self.refresh(force_sessions=True)
         try:
             return await call(await self.register(namespace))
-        except StaleArenaError as error:
+        except (StaleArenaError, UnknownSessionError) as error:
             raise UnavailableError(str(error)) from None
 
-    # The arena ------------------------------------------------------------------------------
+    # Shared memory --------------------------------------------------------------------------
 
-    async def fresh_arena(self) -> Arena | None:
-        """The arena to use now (``None``: stream), after a new handshake if the daemon may
-        have restarted since the last one."""
+    @property
+    def shm_possible(self) -> bool:
+        """Whether the daemon offers shm sessions on this host (and they are wanted)."""
+        info = self._info
+        return bool(
+            self._use_shm
+            and info is not None
+            and info.shm_socket
+            and os.path.exists(info.shm_socket)
+        )
+
+    async def session(self, tenant: str) -> ShmSession | None:
+        """The shm session of ``tenant`` to use now, opened on first use (after a new
+        handshake if the daemon may have restarted); ``None``: stream instead."""
         if self._stale or self._stale_always:
             await self.refresh()
-        return self.arena
+        found = self.sessions.get(tenant)
+        if found is not None or not self.shm_possible or tenant in self._no_shm:
+            return found
+        async with self._session_lock:
+            if tenant not in self.sessions:
+                opened = await self._open_session(tenant)
+                if opened is not None:
+                    self.sessions[tenant] = opened
+            return self.sessions.get(tenant)
 
-    def check_fresh(self, arena: Arena, method: str, device: int, inode: int) -> None:
-        """Raises :class:`StaleArenaError` unless the slots the daemon just named lie in
-        ``arena``: the reply names its arena (``device``, ``inode``), and a dropped connection
-        means the daemon may have restarted with a new one."""
-        if self._stale or arena is not self.arena:
+    async def _open_session(self, tenant: str) -> ShmSession | None:
+        info = self.info
+        hello = Hello(self._token, tenant, self._staging_bytes)
+        try:
+            opened = await ShmSession.open(info.shm_socket, hello)
+        except (OSError, SessionError) as error:
+            log.info("%s: no shm session (%s); streaming instead", self.address, error)
+            if isinstance(error, SessionError):
+                self._no_shm.add(tenant)
+            return None
+        if opened.info.instance_id != info.instance_id:  # another daemon at that path
+            log.info("%s: %s is another daemon's; streaming", self.address, info.shm_socket)
+            await opened.aclose()
+            self._no_shm.add(tenant)
+            return None
+        return opened
+
+    def check_fresh(self, session: ShmSession, method: str, arena_id: bytes = b"") -> None:
+        """Raises :class:`StaleArenaError` unless the slots the daemon just named lie in this
+        session's areas: the reply names its arena (``arena_id``), and a dropped connection
+        means the daemon may have restarted with new ones."""
+        if self._stale or self.sessions.get(session.tenant) is not session:
             raise StaleArenaError(f"the daemon at {self.address} went away during {method}")
-        if (device, inode) != (arena.device, arena.inode):
+        if arena_id and arena_id != session.arena.arena_id:
             raise StaleArenaError(
-                f"{method} named slots in arena (device {device}, inode {inode}) but the mapped "
-                f"arena is (device {arena.device}, inode {arena.inode}): the daemon restarted"
+                f"{method} named slots in arena {arena_id.hex()[:16]} but the mapped arena is "
+                f"{session.arena.arena_id.hex()[:16]}: the daemon restarted"
             )
 
-    async def refresh(self) -> None:
-        """Handshake; maps the announced arena unless it is the one already mapped."""
+    def release_soon(self, lease_id: int) -> asyncio.Task[None]:
+        """Releases a lease in a task of its own (a cancelled caller cannot stop it); a
+        failure is logged, the lease then expires on the daemon."""
+
+        async def release() -> None:
+            try:
+                await self.unary(
+                    "Release", pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse
+                )
+            except KVStoreError as error:
+                log.debug("could not release lease %d: %s", lease_id, error)
+
+        task = asyncio.ensure_future(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return task
+
+    async def release_quietly(self, lease_id: int) -> None:
+        """:meth:`release_soon`, waiting for it unless the caller is cancelled again."""
+        await asyncio.shield(self.release_soon(lease_id))
+
+    async def refresh(self, *, force_sessions: bool = False) -> None:
+        """Handshake; ends the shm sessions when the daemon is another process now (or when
+        ``force_sessions``: the daemon forgot one)."""
         async with self._refresh_lock:
             self._stale = False
             request = pb.HandshakeRequest()
             reply = await self.unary("Handshake", request, pb.HandshakeResponse, idempotent=True)
             info = wire.server_info(reply)
             self._namespaces.clear()
-            old = self.arena
-            announced = (info.arena_path, info.arena_bytes, info.arena_device, info.arena_inode)
-            if old is None or (old.path, old.size, old.device, old.inode) != announced:
-                self.arena = Arena.open(*announced) if self._use_shm else None
-                if old is not None:
-                    await old.aclose()
-            self._info = info
+            old, self._info = self._info, info
+            if force_sessions or old is None or old.instance_id != info.instance_id:
+                await self._close_sessions()
+
+    async def _close_sessions(self) -> None:
+        sessions, self.sessions = self.sessions, {}
+        self._no_shm.clear()
+        for session in sessions.values():
+            await session.aclose()
 
     async def _watch(self) -> None:
         channel = self.channel

@@ -20,6 +20,7 @@ import grpc
 
 __all__ = [
     "TRANSIENT",
+    "CorruptBlockError",
     "DeadlineExceededError",
     "FailedPreconditionError",
     "InvalidArgumentError",
@@ -95,6 +96,11 @@ class DeadlineExceededError(KVStoreError):
 
 class ProtocolError(KVStoreError):
     """The daemon answered something the client cannot use (slot outside the arena, ...)."""
+
+
+class CorruptBlockError(KVStoreError):
+    """A block read back does not match the checksum recorded when it was stored (only
+    checked by a client created with ``verify=True``); nothing of it is returned."""
 
 
 class NotConnectedError(KVStoreError):

@@ -76,6 +76,8 @@ class KVStoreClient:
         tls_root_cert: bytes | None = None,
         timeout: float = 10.0,
         retries: int = 3,
+        verify: bool = False,
+        staging_bytes: int = 256 << 20,
     ) -> None:
         self._client = AsyncKVStoreClient(
             address,
@@ -84,6 +86,8 @@ class KVStoreClient:
             tls_root_cert=tls_root_cert,
             timeout=timeout,
             retries=retries,
+            verify=verify,
+            staging_bytes=staging_bytes,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

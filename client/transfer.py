@@ -1,100 +1,161 @@
 """The two data planes' protocols, each for one namespace digest and one key chain.
 
-shm (the daemon's arena is mapped here):
+shm (an shm session with the daemon is open):
 
-- reads: ``acquire`` -> (lease, slots) -> copy or view the slots -> ``release`` (always, also
-  when the copy fails); the lease keeps the daemon from reusing the slots meanwhile;
-- writes: ``put_shm``: Reserve -> copy the payloads into the reserved slots -> Commit; Abort
-  when anything fails before the commit (no half-written block is ever committed) or the
-  commit itself fails (the daemon ignores the abort of keys it did commit; a pending
-  reservation would otherwise answer DEDUP to the next put until it expires).
+- reads: ``acquire`` -> (lease, slots in the arena) -> copy or view the slots -> ``release``.
+  The lease id is chosen here, before the call, so that whatever happens to the caller (a
+  cancel, a timeout, a reply that never arrives) the lease is released by that id in a task
+  of its own: nothing stays held until it expires;
+- writes: ``put_shm``: Reserve -> copy the payloads into the session's staging slots ->
+  Commit (the daemon copies them into the arena and checks them); Abort when anything fails
+  before the commit or the commit itself fails (the daemon ignores the abort of keys it did
+  commit). Puts are batched so that they fit the staging area.
 
 stream (remote clients, or ``use_shm=False``): ``get_stream`` and ``put_stream``, the payloads
 in chunks of the handshake's ``chunk_bytes``.
+
+With ``verify``, every block read is checked against the checksum the daemon recorded when
+it was committed, and writes send their checksums for the daemon to check.
 
 Acquire, Reserve, Commit and Put are never retried; the Get stream is (it only reads).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+import secrets
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from google.protobuf.message import Message
 
 from kvstore.client import wire
-from kvstore.client.connection import Connection
-from kvstore.client.errors import KVStoreError
-from kvstore.client.shm import Arena, Payload
+from kvstore.client.connection import Connection, UnknownSessionError
+from kvstore.client.errors import FailedPreconditionError, KVStoreError
+from kvstore.client.shm import Arena, Payload, ShmSession
 from kvstore.client.wire import Slots, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 
-__all__ = ["acquire", "get_stream", "put_shm", "put_stream", "release"]
+__all__ = ["Leased", "acquire", "get_stream", "put_shm", "put_stream", "release"]
 
 log = logging.getLogger(__name__)
 
 TargetT = TypeVar("TargetT", bytearray, memoryview, torch.Tensor)
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True, slots=True)
+class Leased:
+    """Leased blocks: their slots in ``arena`` and the checksums recorded for them."""
+
+    lease_id: int
+    slots: Slots
+    checksums: tuple[int, ...]
+    arena: Arena
+
+
+def new_lease_id() -> int:
+    """A random nonzero 63-bit lease id (the daemon scopes ids by tenant)."""
+    return secrets.randbits(63) | 1
 
 
 async def acquire(
-    conn: Connection, digest: bytes, keys: list[bytes], size: int
-) -> tuple[int, Slots, Arena] | None:
-    """Leases the leading held blocks.
+    conn: Connection,
+    session: ShmSession,
+    digest: bytes,
+    keys: list[bytes],
+    size: int,
+    *,
+    verify: bool = False,
+) -> Leased:
+    """Leases the leading held blocks (and checks them, with ``verify``).
 
-    Returns:
-        (lease id, their slots, the arena they lie in), or ``None`` on the stream plane.
+    Raises:
+        StaleArenaError: the reply names another arena (the daemon restarted).
+        ProtocolError: the daemon answered slots outside the arena or of the wrong size.
     """
-    arena = await conn.fresh_arena()
-    if arena is None:
-        return None
-    request = pb.AcquireRequest(namespace=digest, keys=keys)
-
-    async def undo(reply: pb.AcquireResponse) -> None:
-        await release(conn, reply.lease_id, quietly=True)
-
-    reply = await conn.unary_undone_on_cancel("Acquire", request, pb.AcquireResponse, undo)
+    lease_id = new_lease_id()
+    request = pb.AcquireRequest(namespace=digest, keys=keys, lease_id=lease_id)
     try:
-        conn.check_fresh(arena, "Acquire", reply.arena_device, reply.arena_inode)
-        return reply.lease_id, wire.check_slots(reply.slots, len(keys), size, arena), arena
+        reply = await conn.unary("Acquire", request, pb.AcquireResponse)
+        conn.check_fresh(session, "Acquire", reply.arena_id)
+        slots = wire.check_slots(reply.slots, len(keys), size, session.arena)
+        sums = wire.check_checksums(reply.checksums, len(slots))
+        if verify:
+            await session.arena.verify(slots, sums, "Acquire")
     except BaseException:
-        await release(conn, reply.lease_id, quietly=True)
+        await conn.release_quietly(lease_id)  # granted or not, it is released: nothing stays held
         raise
+    return Leased(reply.lease_id, slots, sums, session.arena)
 
 
-async def release(conn: Connection, lease_id: int, *, quietly: bool = False) -> None:
-    """Ends a lease; ``quietly`` logs a failure instead of raising it (the lease expires)."""
-    try:
-        await conn.unary("Release", pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse)
-    except KVStoreError as error:
-        if not quietly:
-            raise
-        log.warning("could not release lease %d: %s", lease_id, error)
+async def release(conn: Connection, lease_id: int) -> None:
+    """Ends a lease in a task a cancelled caller cannot stop.
+
+    Raises:
+        UnknownLeaseError: the lease expired before it was released: the slots may have been
+            reused meanwhile, so what was read under it must not be used.
+    """
+    request = pb.ReleaseRequest(lease_id=lease_id)
+    await asyncio.shield(asyncio.ensure_future(conn.unary("Release", request, pb.ReleaseResponse)))
 
 
 async def get_stream(
-    conn: Connection, digest: bytes, keys: list[bytes], size: int, out: Sequence[TargetT] | None
+    conn: Connection,
+    digest: bytes,
+    keys: list[bytes],
+    size: int,
+    out: Sequence[TargetT] | None,
+    *,
+    verify: bool = False,
 ) -> list[bytes] | list[TargetT]:
     """The leading held blocks through the Get stream (retried whole: it only reads)."""
     request = pb.GetRequest(namespace=digest, keys=keys)
 
     async def collect() -> list[bytes] | list[TargetT]:
         call = conn.stub.Get(request, metadata=conn.metadata, timeout=conn.timeout)
-        return await wire.assemble(call, len(keys), size, out)
+        return await wire.assemble(call, len(keys), size, out, verify=verify)
 
     return await conn.retrying("Get", collect, idempotent=True)
 
 
 async def put_shm(
     conn: Connection,
+    session: ShmSession,
     digest: bytes,
     specs: list[pb.BlockSpec],
     blocks: Sequence[Payload],
     size: int,
-    arena: Arena,
+    *,
+    verify: bool = False,
 ) -> list[WriteStatus]:
-    """Reserve -> write -> Commit; one final status per block of ``size`` bytes."""
-    request = pb.ReserveRequest(namespace=digest, blocks=specs)
+    """Reserve -> write -> Commit, in batches that fit the staging area; one final status
+    per block of ``size`` bytes."""
+    budget = session.budget
+    per_batch = max(1, budget.total // budget.slot_bytes(size))
+    statuses: list[WriteStatus] = []
+    for start in range(0, len(specs), per_batch):
+        batch = slice(start, start + per_batch)
+        async with budget.hold(budget.slot_bytes(size) * len(specs[batch])):
+            statuses += await _put_batch(
+                conn, session, digest, specs[batch], blocks[batch], size, verify
+            )
+    return statuses
+
+
+async def _put_batch(
+    conn: Connection,
+    session: ShmSession,
+    digest: bytes,
+    specs: list[pb.BlockSpec],
+    blocks: Sequence[Payload],
+    size: int,
+    verify: bool,
+) -> list[WriteStatus]:
+    request = pb.ReserveRequest(namespace=digest, blocks=specs, session=session.session_id)
 
     async def undo(reply: pb.ReserveResponse) -> None:
         held = [
@@ -102,23 +163,30 @@ async def put_shm(
             for spec, r in zip(specs, reply.reservations, strict=False)
             if r.status == pb.RESERVED
         ]
-        await _abort(conn, digest, held)
+        await _abort(conn, session, digest, held)
 
-    reply = await conn.unary_undone_on_cancel("Reserve", request, pb.ReserveResponse, undo)
-    reserved, slots, statuses = wire.reservations(reply, len(specs), size, arena)
+    reply = await _session_call(
+        "Reserve", conn.unary_undone_on_cancel("Reserve", request, pb.ReserveResponse, undo)
+    )
+    reserved, slots, statuses = wire.reservations(reply, len(specs), size, session.staging)
     if reserved:
         keys = [specs[index].key for index in reserved]
         try:
-            conn.check_fresh(arena, "Reserve", reply.arena_device, reply.arena_inode)
-            await arena.copy_in(slots, [blocks[index] for index in reserved])
+            conn.check_fresh(session, "Reserve")
+            await session.staging.copy_in(slots, [blocks[index] for index in reserved])
+            sums = await session.staging.checksums(slots) if verify else []
         except BaseException:
-            await _abort(conn, digest, keys)
+            await _abort(conn, session, digest, keys)
             raise
-        commit = pb.CommitRequest(namespace=digest, keys=keys)
+        commit = pb.CommitRequest(
+            namespace=digest, keys=keys, session=session.session_id, checksums=sums
+        )
         try:
-            committed = await conn.unary("Commit", commit, pb.CommitResponse)
+            committed = await _session_call(
+                "Commit", conn.unary("Commit", commit, pb.CommitResponse)
+            )
         except BaseException:
-            await _abort(conn, digest, keys)  # ignored for keys the commit did store
+            await _abort(conn, session, digest, keys)  # ignored for keys the commit did store
             raise
         statuses.update(
             zip(reserved, wire.write_statuses(committed.statuses, len(keys)), strict=True)
@@ -127,16 +195,31 @@ async def put_shm(
 
 
 async def put_stream(
-    conn: Connection, digest: bytes, specs: list[pb.BlockSpec], blocks: Sequence[Payload]
+    conn: Connection,
+    digest: bytes,
+    specs: list[pb.BlockSpec],
+    blocks: Sequence[Payload],
+    *,
+    verify: bool = False,
 ) -> list[WriteStatus]:
     """The Put stream; one final status per block."""
-    chunks = wire.put_chunks(digest, specs, blocks, conn.info.chunk_bytes)
+    chunks = wire.put_chunks(digest, specs, blocks, conn.info.chunk_bytes, checksums=verify)
     reply = await conn.unary("Put", chunks, pb.PutResponse)
     return wire.write_statuses(reply.statuses, len(specs))
 
 
-async def _abort(conn: Connection, digest: bytes, keys: list[bytes]) -> None:
+async def _session_call(method: str, call: Awaitable[M]) -> M:
+    """Awaits a Reserve or Commit; FAILED_PRECONDITION there means the daemon does not know
+    the session (it restarted): :class:`UnknownSessionError`, which opens a new one."""
     try:
-        await conn.unary("Abort", pb.AbortRequest(namespace=digest, keys=keys), pb.AbortResponse)
-    except KVStoreError as error:  # the reservations expire on their own
+        return await call
+    except FailedPreconditionError as error:
+        raise UnknownSessionError(f"{method}: {error}") from error
+
+
+async def _abort(conn: Connection, session: ShmSession, digest: bytes, keys: list[bytes]) -> None:
+    request = pb.AbortRequest(namespace=digest, keys=keys, session=session.session_id)
+    try:
+        await conn.unary("Abort", request, pb.AbortResponse)
+    except KVStoreError as error:  # the reservations expire, or end with the session
         log.warning("could not abort %d reservations: %s", len(keys), error)

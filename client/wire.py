@@ -12,12 +12,13 @@ import dataclasses
 import enum
 from collections.abc import AsyncIterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import torch
+import xxhash
 
-from kvstore.client.errors import ProtocolError
-from kvstore.client.shm import Arena, Payload, Target, as_bytes
+from kvstore.client.errors import CorruptBlockError, ProtocolError
+from kvstore.client.shm import Payload, Target, as_bytes
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.results import LookupResult, TierStats
@@ -38,6 +39,7 @@ class WriteStatus(enum.Enum):
     DEDUP = "dedup"  # already held (or being written by another client): nothing to do
     NO_SPACE = "no_space"  # no room now; the block is not stored
     EXPIRED = "expired"  # the reservation expired before the commit; not stored
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # the daemon found other bytes than were sent
 
 
 _WRITE_STATUSES: Final[Mapping[int, WriteStatus]] = {
@@ -45,6 +47,7 @@ _WRITE_STATUSES: Final[Mapping[int, WriteStatus]] = {
     pb.DEDUP: WriteStatus.DEDUP,
     pb.NO_SPACE: WriteStatus.NO_SPACE,
     pb.EXPIRED: WriteStatus.EXPIRED,
+    pb.CHECKSUM_MISMATCH: WriteStatus.CHECKSUM_MISMATCH,
 }
 
 
@@ -53,13 +56,12 @@ class ServerInfo:
     """The daemon's handshake."""
 
     server_version: str
-    arena_path: str  # empty when the daemon has no host tier
-    arena_bytes: int
-    arena_device: int
-    arena_inode: int
     max_message_bytes: int
     chunk_bytes: int
     lease_seconds: float
+    shm_socket: str  # empty when the daemon offers no shared memory (no host tier)
+    instance_id: bytes
+    max_block_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ class Stats:
     demotions: int
     dropped_saves: int
     corrupt_blocks: int
+    corrupt_writes: int
     active_leases: int
     active_reservations: int
     lookups: int
@@ -129,9 +132,15 @@ def block_specs(keys: Sequence[bytes], parent: bytes, num_tokens: int) -> list[p
 
 
 def put_chunks(
-    namespace: bytes, specs: Sequence[pb.BlockSpec], blocks: Sequence[Payload], chunk_bytes: int
+    namespace: bytes,
+    specs: Sequence[pb.BlockSpec],
+    blocks: Sequence[Payload],
+    chunk_bytes: int,
+    *,
+    checksums: bool = False,
 ) -> Iterator[pb.PutChunk]:
-    """The Put stream: namespace on the first chunk, a block's spec on its first chunk."""
+    """The Put stream: namespace on the first chunk, a block's spec (and, with
+    ``checksums``, its xxh3-64) on its first chunk."""
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     for number, (spec, block) in enumerate(zip(specs, blocks, strict=True)):
         data = as_bytes(block.cpu() if isinstance(block, torch.Tensor) else block).numpy().data
@@ -139,6 +148,8 @@ def put_chunks(
             message = pb.PutChunk(data=bytes(data[start : start + chunk_bytes]))
             if start == 0:
                 message.block.CopyFrom(spec)
+                if checksums:
+                    message.checksum = xxhash.xxh3_64_intdigest(data)
                 if number == 0:
                     message.namespace = namespace
             yield message
@@ -170,15 +181,26 @@ def write_statuses(values: Sequence[int], count: int) -> list[WriteStatus]:
     return [_WRITE_STATUSES[value] for value in values]
 
 
-def check_slots(slots: Sequence[pb.Slot], count: int, size: int, arena: Arena) -> Slots:
+class _Area(Protocol):
+    def check(self, offset: int, length: int) -> None: ...
+
+
+def check_slots(slots: Sequence[pb.Slot], count: int, size: int, arena: _Area) -> Slots:
     """The leased slots as (offset, length), each ``size`` bytes inside the arena."""
     if len(slots) > count:
         raise ProtocolError(f"Acquire returned {len(slots)} slots for {count} keys")
     return [_check_slot(slot, size, arena) for slot in slots]
 
 
+def check_checksums(values: Sequence[int], count: int) -> tuple[int, ...]:
+    """One checksum per leased slot (``ProtocolError`` otherwise)."""
+    if len(values) != count:
+        raise ProtocolError(f"Acquire returned {len(values)} checksums for {count} slots")
+    return tuple(values)
+
+
 def reservations(
-    reply: pb.ReserveResponse, count: int, size: int, arena: Arena
+    reply: pb.ReserveResponse, count: int, size: int, arena: _Area
 ) -> tuple[list[int], Slots, dict[int, WriteStatus]]:
     """(indices of reserved blocks, their slots, final statuses of the other blocks)."""
     if len(reply.reservations) != count:
@@ -195,7 +217,7 @@ def reservations(
     return reserved, slots, done
 
 
-def _check_slot(slot: pb.Slot, size: int, arena: Arena) -> tuple[int, int]:
+def _check_slot(slot: pb.Slot, size: int, arena: _Area) -> tuple[int, int]:
     if slot.length != size:
         raise ProtocolError(f"slot at {slot.offset} holds {slot.length} bytes, not {size}")
     try:
@@ -206,18 +228,30 @@ def _check_slot(slot: pb.Slot, size: int, arena: Arena) -> tuple[int, int]:
 
 
 async def assemble(
-    chunks: AsyncIterable[pb.GetChunk], count: int, size: int, out: Sequence[TargetT] | None
+    chunks: AsyncIterable[pb.GetChunk],
+    count: int,
+    size: int,
+    out: Sequence[TargetT] | None,
+    *,
+    verify: bool = False,
 ) -> list[bytes] | list[TargetT]:
-    """The blocks of a Get stream, new bytes or copied into ``out``; checks their order."""
+    """The blocks of a Get stream, new bytes or copied into ``out``; checks their order, and
+    with ``verify`` each block's bytes against the checksum the daemon sent with it."""
     blocks: list[bytes] = []
     parts: list[bytes] = []
     target: memoryview | torch.Tensor | None = None
+    digest = xxhash.xxh3_64()
+    expected = 0
     done = filled = 0
     async for chunk in chunks:
         if chunk.index != done or done >= count:
             raise ProtocolError(f"Get sent a chunk of block {chunk.index}, expected block {done}")
         data = chunk.data  # read once: each read of a message's bytes field copies it
         length = len(data)
+        if filled == 0:
+            expected = chunk.checksum
+        if verify:
+            digest.update(data)
         if filled + length > size:
             raise ProtocolError(f"Get sent more than {size} bytes for block {done}")
         if out is None:
@@ -230,6 +264,9 @@ async def assemble(
         if chunk.last:
             if filled != size:
                 raise ProtocolError(f"Get sent {filled} bytes for block {done}, not {size}")
+            if verify and digest.intdigest() != expected:
+                raise CorruptBlockError(f"get: block {done} does not match its checksum")
+            digest.reset()
             if out is None:
                 blocks.append(b"".join(parts))
             parts, target, filled, done = [], None, 0, done + 1

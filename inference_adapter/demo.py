@@ -199,10 +199,9 @@ def _daemon(address: str | None) -> Iterator[str]:
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-chat-"))
     socket = workdir / "kvstore.sock"
     config = workdir / "kvstore.toml"
-    (workdir / "shm").mkdir()
     # JSON strings are TOML basic strings: paths are quoted and escaped alike.
     config.write_text(
-        f'[host]\ncapacity = "256MiB"\ndirectory = {json.dumps(str(workdir / "shm"))}\n'
+        '[host]\ncapacity = "256MiB"\n'
         f'[ssd]\ncapacity = "1GiB"\ndirectory = {json.dumps(str(workdir / "ssd"))}\n'
         f"fsync = false\n[server]\nlisten = [{json.dumps(f'unix:{socket}')}]\n"
     )

@@ -14,7 +14,11 @@ Primitives, in the order a reader uses them:
 - ``decode_header(header bytes)`` -> ``BlockHeader`` (header checksum verified).
 - ``BlockHeader.stored_range(layer)`` -> (offset, length) of that layer in the stored bytes;
   ``decode_layer(header, those bytes, layer)`` -> raw KV of that layer.
-- ``decode_block(stored bytes)`` -> (``BlockHeader``, raw payload), every layer verified.
+- ``decode_block(stored bytes)`` -> (``BlockHeader``, raw payload), every layer and the
+  whole payload verified.
+- ``payload_checksum(raw payload)`` -> the block's xxh3-64, computed once when a block is
+  committed; it travels with the block through every tier (the index keeps it for the host
+  tier, the header for the others) and is checked whenever the block moves.
 
 Header (little-endian; ``header_bytes`` is a multiple of 64 so RAW layers stay aligned)::
 
@@ -29,9 +33,13 @@ Header (little-endian; ``header_bytes`` is a multiple of 64 so RAW layers stay a
     110    16   num_layers, num_kv_heads, block_tokens, head_dim (u32 each)
     126    1    dtype code (1 float16, 2 bfloat16, 3 float32)
     127    1    codec id (Codec)
-    128    8*L  per layer: stored length (u32), crc32 of the stored bytes (u32)
+    128    8    xxh3-64 of the raw payload (u64)
+    136    12*L per layer: stored length (u32), xxh3-64 of the stored bytes (u64)
     ...         zero padding
     end-4  4    crc32 of every header byte before it
+
+Version 1 (crc32 per layer, no payload checksum) is not read: such blocks are dropped as
+``UnsupportedVersionError`` and recomputed by the engines that need them.
 
 A decoder never returns wrong bytes: a short buffer, a wrong magic or version, a checksum
 mismatch or an inconsistent header raise a ``BlockFormatError`` subclass that says what was
@@ -46,6 +54,8 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import xxhash
+
 from kvstore.codecs import CODECS, Stored
 from kvstore.codecs import BlockFormatError as BlockFormatError
 from kvstore.codecs import Codec as Codec
@@ -57,18 +67,23 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 KEY_BYTES = 32
 ROOT_KEY: bytes = hashlib.sha256(b"kvstore/block-key-root/v1").digest()
 MAGIC = b"KVB1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_LAYERS = 4096
 MAX_LAYER_BYTES = 1 << 30
 
 _DTYPE_CODES: dict[str, int] = {"float16": 1, "bfloat16": 2, "float32": 3}
 _DTYPE_NAMES: dict[int, str] = {code: name for name, code in _DTYPE_CODES.items()}
-_FIXED = struct.Struct("<4sHI32s32s32sIIIIIBB")
+_FIXED = struct.Struct("<4sHI32s32s32sIIIIIBBQ")
 _VERSION = struct.Struct("<H")
 _U32 = struct.Struct("<I")
-_LAYER_ENTRY_BYTES = 8
+_LAYER_ENTRY_BYTES = 12  # u32 stored length, u64 xxh3
 _HEADER_ALIGN = 64
 HEADER_PREFIX_BYTES: int = _FIXED.size
+
+
+def payload_checksum(payload: Buffer) -> int:
+    """The xxh3-64 of a block's raw payload (runs near memcpy speed, without the GIL)."""
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 class BadMagicError(BlockFormatError):
@@ -92,19 +107,18 @@ class HeaderCorruptError(BlockFormatError):
 
 
 class ChecksumMismatchError(BlockFormatError):
-    """Bytes whose crc32 differs from the one recorded in the header.
+    """Bytes whose checksum differs from the one recorded for them.
 
     Attributes:
-        layer: The layer whose stored bytes are damaged, or None for the header itself.
-        expected: The crc32 recorded in the block.
-        found: The crc32 of the bytes as read.
+        layer: The layer whose stored bytes are damaged, None for the header itself, or -1
+            for the whole decoded payload.
+        expected: The checksum recorded in the block.
+        found: The checksum of the bytes as read.
     """
 
     def __init__(self, layer: int | None, expected: int, found: int) -> None:
-        what = "header" if layer is None else f"layer {layer}"
-        super().__init__(
-            f"{what} checksum mismatch: expected {expected:#010x}, found {found:#010x}"
-        )
+        what = {None: "header", -1: "payload"}.get(layer, f"layer {layer}")
+        super().__init__(f"{what} checksum mismatch: expected {expected:#x}, found {found:#x}")
         self.layer = layer
         self.expected = expected
         self.found = found
@@ -182,7 +196,8 @@ class BlockHeader:
     layout: BlockLayout
     codec: Codec
     layer_lengths: tuple[int, ...]
-    layer_checksums: tuple[int, ...]
+    layer_checksums: tuple[int, ...]  # xxh3-64 of each stored layer
+    checksum: int = 0  # xxh3-64 of the raw payload
 
     def __post_init__(self) -> None:
         num_layers = self.layout.num_layers
@@ -253,6 +268,7 @@ def encode_block(
     layout: BlockLayout,
     payload: Buffer,
     codec: Codec = Codec.RAW,
+    checksum: int | None = None,
 ) -> bytes:
     """Build the stored form of one block.
 
@@ -265,6 +281,7 @@ def encode_block(
         payload: Raw KV, ``layout.payload_bytes`` bytes, C order
             ``[num_layers, 2, num_kv_heads, block_tokens, head_dim]``.
         codec: How each layer is stored.
+        checksum: The payload's ``payload_checksum``, when the caller knows it already.
 
     Returns:
         Header followed by the stored layers.
@@ -292,7 +309,8 @@ def encode_block(
         layout=layout,
         codec=Codec(codec),
         layer_lengths=tuple(len(memoryview(layer)) for layer in layers),
-        layer_checksums=tuple(zlib.crc32(layer) for layer in layers),
+        layer_checksums=tuple(xxhash.xxh3_64_intdigest(layer) for layer in layers),
+        checksum=payload_checksum(raw) if checksum is None else checksum,
     )
     return b"".join([_pack_header(header), *layers])
 
@@ -303,12 +321,16 @@ def _pack_header(header: BlockHeader) -> bytes:
     body = bytearray(size - _U32.size)
     ids = (MAGIC, FORMAT_VERSION, size, header.key, header.parent, header.namespace)
     dims = (layout.num_layers, layout.num_kv_heads, layout.block_tokens, layout.head_dim)
-    codes = (_DTYPE_CODES[layout.dtype], header.codec)
+    codes = (_DTYPE_CODES[layout.dtype], header.codec, header.checksum)
     _FIXED.pack_into(body, 0, *ids, header.num_tokens, *dims, *codes)
     table = [0] * (2 * layout.num_layers)
     table[0::2], table[1::2] = header.layer_lengths, header.layer_checksums
-    struct.pack_into(f"<{len(table)}I", body, _FIXED.size, *table)
+    struct.pack_into(_table_format(layout.num_layers), body, _FIXED.size, *table)
     return bytes(body) + _U32.pack(zlib.crc32(body))
+
+
+def _table_format(num_layers: int) -> str:
+    return "<" + "IQ" * num_layers
 
 
 # --- decode -------------------------------------------------------------------------------
@@ -387,7 +409,7 @@ def decode_header(buf: Buffer) -> BlockHeader:
 def _parse_header(view: memoryview) -> BlockHeader:
     fields = _FIXED.unpack_from(view)
     key, parent, namespace, num_tokens = fields[3:7]
-    num_layers, num_kv_heads, block_tokens, head_dim, dtype_code, codec_id = fields[7:]
+    num_layers, num_kv_heads, block_tokens, head_dim, dtype_code, codec_id, checksum = fields[7:]
     table_end = _FIXED.size + _LAYER_ENTRY_BYTES * num_layers
     if any(view[table_end : len(view) - _U32.size]):
         raise HeaderCorruptError("header padding must be zero bytes")
@@ -399,7 +421,7 @@ def _parse_header(view: memoryview) -> BlockHeader:
         raise HeaderCorruptError(
             f"codec must be one of {[int(c) for c in Codec]}, found {codec_id}"
         )
-    table = struct.unpack_from(f"<{2 * num_layers}I", view, _FIXED.size)
+    table = struct.unpack_from(_table_format(num_layers), view, _FIXED.size)
     try:
         layout = BlockLayout(
             num_layers, num_kv_heads, block_tokens, head_dim, _DTYPE_NAMES[dtype_code]
@@ -416,12 +438,13 @@ def _parse_header(view: memoryview) -> BlockHeader:
         codec=Codec(codec_id),
         layer_lengths=table[0::2],
         layer_checksums=table[1::2],
+        checksum=checksum,
     )
 
 
 def _decode_layer_view(header: BlockHeader, stored: memoryview, layer: int) -> Stored:
     _check_size(len(stored), header.layer_lengths[layer], f"stored layer {layer}")
-    found = zlib.crc32(stored)
+    found = xxhash.xxh3_64_intdigest(stored)
     if found != header.layer_checksums[layer]:
         raise ChecksumMismatchError(layer, header.layer_checksums[layer], found)
     layout = header.layout
@@ -464,7 +487,7 @@ def decode_block(buf: Buffer) -> tuple[BlockHeader, bytes]:
 
     Raises:
         BlockFormatError: A subclass saying what is wrong; no bytes are returned unless
-            the header and every layer checksum match.
+            the header, every layer and the whole payload match their checksums.
     """
     view = _byte_view(buf, "buf")
     header = decode_header(view)
@@ -474,4 +497,8 @@ def decode_block(buf: Buffer) -> tuple[BlockHeader, bytes]:
     for layer, length in enumerate(header.layer_lengths):
         layers.append(_decode_layer_view(header, view[offset : offset + length], layer))
         offset += length
-    return header, b"".join(layers)
+    payload = b"".join(layers)
+    found = payload_checksum(payload)
+    if found != header.checksum:
+        raise ChecksumMismatchError(-1, header.checksum, found)
+    return header, payload

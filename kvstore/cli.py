@@ -102,13 +102,8 @@ def serve_config(path: str | None, listen: Sequence[str] | None) -> Config:
     if path is None and config.host.enabled and "KVSTORE_HOST__CAPACITY" not in os.environ:
         from kvstore.defaults import auto_host_capacity
 
-        try:
-            capacity = auto_host_capacity(config.host.directory)
-        except OSError as error:  # the host tier reports the missing directory at start
-            log.warning("cannot size the host tier from %s: %s", config.host.directory, error)
-        else:
-            host = dataclasses.replace(config.host, capacity=capacity)
-            config = dataclasses.replace(config, host=host)
+        host = dataclasses.replace(config.host, capacity=auto_host_capacity())
+        config = dataclasses.replace(config, host=host)
     return config
 
 
@@ -123,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = serve_config(args.config, args.listen)
-    log.info("host tier %d bytes in %s", config.host.capacity, config.host.directory)
+    log.info("host tier %d bytes", config.host.capacity)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     asyncio.run(serve(config))
     return 0

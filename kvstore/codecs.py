@@ -14,6 +14,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 import lz4.block
+import numpy as np
 
 
 class BlockFormatError(ValueError):
@@ -52,26 +53,18 @@ def _lz4_decompress(stored: memoryview, raw_bytes: int, itemsize: int = 1) -> by
 
 
 def _shuffle(raw: memoryview, itemsize: int) -> bytearray:
-    import torch  # only this codec needs torch; the daemon's start-up stays light
-
     out = bytearray(raw.nbytes)
-    if raw.readonly:  # torch.frombuffer warns on read-only buffers
-        raw = memoryview(bytearray(raw))
-    src = torch.frombuffer(raw, dtype=torch.uint8).view(-1, itemsize)  # [elements, itemsize]
-    dst = torch.frombuffer(out, dtype=torch.uint8).view(itemsize, -1)  # [itemsize, elements]
-    for byte in range(itemsize):
-        dst[byte].copy_(src[:, byte])
+    src = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize)  # [elements, itemsize]
+    dst = np.frombuffer(out, dtype=np.uint8).reshape(itemsize, -1)  # [itemsize, elements]
+    np.copyto(dst, src.T)
     return out
 
 
 def _unshuffle(shuffled: bytearray, itemsize: int) -> bytearray:
-    import torch
-
     out = bytearray(len(shuffled))
-    src = torch.frombuffer(shuffled, dtype=torch.uint8).view(itemsize, -1)  # [itemsize, elements]
-    dst = torch.frombuffer(out, dtype=torch.uint8).view(-1, itemsize)  # [elements, itemsize]
-    for byte in range(itemsize):
-        dst[:, byte].copy_(src[byte])
+    src = np.frombuffer(shuffled, dtype=np.uint8).reshape(itemsize, -1)  # [itemsize, elements]
+    dst = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)  # [elements, itemsize]
+    np.copyto(dst, src.T)
     return out
 
 

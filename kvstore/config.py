@@ -66,8 +66,7 @@ class HostConfig:
     """The shared-memory host tier: the top tier, where every put lands and reads are served."""
 
     enabled: bool = True
-    capacity: int = size(default=4 * 2**30)
-    directory: str = "/dev/shm"
+    capacity: int = size(default=4 * 2**30)  # all tenants' arenas together
     ttl: float = duration(default=0.0)
 
 
@@ -131,6 +130,13 @@ class ServerConfig:
     shutdown_grace: float = duration(default=5.0)
     tls_cert: str = ""  # PEM files; both set = TLS on TCP listeners
     tls_key: str = ""
+    # Limits checked before any work: the largest block a namespace may have (at
+    # RegisterNamespace), the staging area of one shm session, how many sessions may be open,
+    # and the bytes of streamed blocks assembled in memory at once (no room in the arena).
+    max_block_bytes: int = size(default=2**30)
+    max_staging_bytes: int = size(default=2**30)
+    max_sessions: int = 1024
+    max_buffered_bytes: int = size(default=2**30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,3 +434,6 @@ def _check_server(server: ServerConfig) -> None:
         )
     if server.lease_ttl <= 0:
         raise ConfigError(f"server.lease_ttl must be positive, got {server.lease_ttl}")
+    for name in ("max_block_bytes", "max_staging_bytes", "max_sessions", "max_buffered_bytes"):
+        if getattr(server, name) <= 0:
+            raise ConfigError(f"server.{name} must be positive, got {getattr(server, name)}")

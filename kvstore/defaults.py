@@ -1,31 +1,28 @@
 """Defaults that depend on the machine: the host tier's size when no config file names one.
 
-``auto_host_capacity(directory)`` = min(25% of ``MemAvailable``, half the free space of the
-arena's directory, 8 GiB), rounded down to 64 MiB (and at least 64 MiB). A daemon started
-without a config file then fits the machine it lands on instead of asking for a fixed 4 GiB
-of ``/dev/shm`` that a laptop or a container may not have.
+``auto_host_capacity()`` = min(25% of ``MemAvailable``, 8 GiB), rounded down to 64 MiB (and at
+least 64 MiB). A daemon started without a config file then fits the machine it lands on
+instead of asking for a fixed 4 GiB that a laptop or a container may not have. (The arenas
+are memfds: their pages are taken as blocks arrive, not at start.)
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Final
 
 GRANULE: Final = 64 * 2**20
 CAP: Final = 8 * 2**30
 MEMORY_SHARE: Final = 0.25
-DISK_SHARE: Final = 0.5
 
 
-def host_capacity(mem_available: int | None, free_bytes: int) -> int:
-    """The host tier size for a machine with these free resources (see the module doc).
+def host_capacity(mem_available: int | None) -> int:
+    """The host tier size for a machine with this much free memory (see the module doc).
 
     Args:
-        mem_available: ``MemAvailable`` in bytes, or None when unknown (not Linux).
-        free_bytes: Free bytes in the arena's directory (its filesystem).
+        mem_available: ``MemAvailable`` in bytes, or None when unknown (not Linux): the cap.
     """
-    limits = [CAP, int(free_bytes * DISK_SHARE)]
+    limits = [CAP]
     if mem_available is not None:
         limits.append(int(mem_available * MEMORY_SHARE))
     return max(GRANULE, min(limits) // GRANULE * GRANULE)
@@ -45,10 +42,9 @@ def mem_available(meminfo: str | Path = "/proc/meminfo") -> int | None:
     return None
 
 
-def auto_host_capacity(directory: str | Path) -> int:
-    """The host tier size for this machine, its arena living in ``directory``."""
-    stats = os.statvfs(directory)
-    return host_capacity(mem_available(), stats.f_bavail * stats.f_frsize)
+def auto_host_capacity() -> int:
+    """The host tier size for this machine."""
+    return host_capacity(mem_available())
 
 
 # glibc mallopt parameters (malloc.h).

@@ -43,3 +43,12 @@ class PermissionDeniedError(StoreError, PermissionError):
 
 class UnauthenticatedError(StoreError, PermissionError):
     """A call without a bearer token, or with one the daemon does not know."""
+
+
+class ResourceExhaustedError(StoreError):
+    """A request past a configured limit: a block larger than ``server.max_block_bytes`` or
+    the top tier, too many namespaces, leases or sessions, too many bytes buffered."""
+
+
+class UnknownSessionError(StoreError, LookupError):
+    """A shared-memory session that is not open (never was, closed, or another tenant's)."""

@@ -4,24 +4,38 @@ Block keys are chained hashes (``h_i = H(h_{i-1} || namespace || tokens_i)``), s
 tokens is a path of keys and the radix tree needs one edge per block: a node is a block, its
 parent is the block before it. Identical prefixes hash to identical keys and are stored once.
 
+Every node belongs to one namespace (a model and a tenant), and the index is scoped by it: a
+block is named by its *block id* ``key || namespace`` (64 bytes; the tiers store it under
+that id), so the same key in two namespaces is two blocks. One tenant can neither find, nor
+collide with, nor squat on another's blocks, whatever keys it sends.
+
 The index is synchronous bookkeeping; the tier manager (:mod:`kvstore.store`) does the I/O.
 Primitives:
 
 - ``begin(key, parent, meta, size)`` -> a *pending* node (invisible to ``match``), then
-  ``commit(key)`` once its bytes are stored, or ``discard(key)`` when the write failed;
-- ``match(keys)`` -> the committed nodes of the longest held prefix;
-- ``get(key)``, ``children_of(key)``, ``remove(key)`` (a parent outlives its children: only
-  nodes without children may be removed), ``subtree(key)`` for deletes;
-- per node: the tiers holding it, size, last access, hit count and lease count.
+  ``commit(block_id)`` once its bytes are stored, or ``discard(block_id)`` when the write failed;
+- ``match(keys, namespace)`` -> the committed nodes of the longest held prefix;
+- ``find(key, namespace)``, ``get(block_id)``, ``children_of(block_id)``, ``remove(block_id)``
+  (a parent outlives its children: only nodes without children may be removed),
+  ``subtree(block_id)`` for deletes;
+- per node: the tiers holding it, size, checksum, last access, hit count and lease count.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.blocks import BlockLayout
+
+ID_BYTES = 64
+
+
+def block_id(key: bytes, namespace: bytes) -> bytes:
+    """The id a block is indexed and stored under: its key, then its namespace."""
+    return key + namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +55,8 @@ class Node:
     parent: bytes
     meta: BlockMeta
     size: int  # raw payload bytes
+    id: bytes = b""  # key || namespace, set by the index
+    checksum: int = 0  # xxh3-64 of the raw payload, recorded at commit
     tiers: set[str] = field(default_factory=set)
     committed: bool = False
     last_access: float = field(default_factory=time.monotonic)
@@ -48,6 +64,16 @@ class Node:
     leases: int = 0
     busy: int = 0  # tier copies in flight; a busy node is not evicted
     doomed: bool = False  # deleted while leased: removed when the last lease goes
+    # Tier writes and the promotion in flight, by tier name (one of each at a time).
+    flights: dict[str, asyncio.Task[bool]] = field(default_factory=dict)
+
+    @property
+    def namespace(self) -> bytes:
+        return self.meta.namespace
+
+    @property
+    def parent_id(self) -> bytes:
+        return self.parent + self.meta.namespace
 
     @property
     def pinned(self) -> bool:
@@ -55,84 +81,95 @@ class Node:
 
 
 class RadixIndex:
-    """Nodes by key, with parent -> children links (children may arrive before parents)."""
+    """Nodes by block id and by (namespace, key), with parent -> children links (children may
+    arrive before parents)."""
 
     def __init__(self) -> None:
         self._nodes: dict[bytes, Node] = {}
-        self._children: dict[bytes, set[bytes]] = {}
+        self._spaces: dict[bytes, dict[bytes, Node]] = {}  # namespace -> key -> node
+        self._children: dict[bytes, set[bytes]] = {}  # parent id -> child ids
 
     def __len__(self) -> int:
         return len(self._nodes)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._nodes
+    def __contains__(self, block: bytes) -> bool:
+        return block in self._nodes
 
     def nodes(self) -> Iterator[Node]:
         return iter(list(self._nodes.values()))
 
-    def get(self, key: bytes) -> Node | None:
-        return self._nodes.get(key)
+    def get(self, block: bytes) -> Node | None:
+        return self._nodes.get(block)
 
-    def committed(self, key: bytes) -> Node | None:
-        node = self._nodes.get(key)
+    def find(self, key: bytes, namespace: bytes) -> Node | None:
+        """The node of ``key`` in ``namespace``, committed or not."""
+        space = self._spaces.get(namespace)
+        return None if space is None else space.get(key)
+
+    def committed(self, block: bytes) -> Node | None:
+        node = self._nodes.get(block)
         return node if node is not None and node.committed and not node.doomed else None
 
     def begin(self, key: bytes, parent: bytes, meta: BlockMeta, size: int) -> Node:
-        """Adds a pending node. The caller checked that ``key`` is not present."""
-        node = Node(key=key, parent=parent, meta=meta, size=size)
-        self._nodes[key] = node
-        self._children.setdefault(parent, set()).add(key)
+        """Adds a pending node. The caller checked that the key is not in the namespace."""
+        node = Node(key=key, parent=parent, meta=meta, size=size, id=block_id(key, meta.namespace))
+        self._nodes[node.id] = node
+        self._spaces.setdefault(meta.namespace, {})[key] = node
+        self._children.setdefault(node.parent_id, set()).add(node.id)
         return node
 
-    def commit(self, key: bytes) -> Node:
-        node = self._nodes[key]
+    def commit(self, block: bytes) -> Node:
+        node = self._nodes[block]
         node.committed = True
         return node
 
-    def discard(self, key: bytes) -> None:
+    def discard(self, block: bytes) -> None:
         """Forgets a node whose write failed (or whose last copy is gone)."""
-        node = self._nodes.pop(key, None)
+        node = self._nodes.pop(block, None)
         if node is None:
             return
-        siblings = self._children.get(node.parent)
+        space = self._spaces[node.namespace]
+        del space[node.key]
+        if not space:
+            del self._spaces[node.namespace]
+        siblings = self._children.get(node.parent_id)
         if siblings is not None:
-            siblings.discard(key)
+            siblings.discard(block)
             if not siblings:
-                del self._children[node.parent]
+                del self._children[node.parent_id]
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, block: bytes) -> None:
         """Removes a node; a parent outlives its children."""
-        if self._children.get(key):
-            raise ValueError(f"block {key.hex()[:16]} still has children; remove them first")
-        self.discard(key)
+        if self._children.get(block):
+            raise ValueError(f"block {block.hex()[:16]} still has children; remove them first")
+        self.discard(block)
 
-    def children_of(self, key: bytes) -> set[bytes]:
-        return self._children.get(key, set())
+    def children_of(self, block: bytes) -> set[bytes]:
+        return self._children.get(block, set())
 
-    def has_children_in(self, key: bytes, tier: str) -> bool:
+    def has_children_in(self, block: bytes, tier: str) -> bool:
         return any(
             (child := self._nodes.get(k)) is not None and tier in child.tiers
-            for k in self._children.get(key, ())
+            for k in self._children.get(block, ())
         )
 
-    def match(self, keys: Sequence[bytes], namespace: bytes | None = None) -> list[Node]:
-        """The committed nodes for the longest prefix of ``keys`` that the index holds
-        (only blocks of ``namespace`` when given)."""
+    def match(self, keys: Sequence[bytes], namespace: bytes) -> list[Node]:
+        """The committed nodes of ``namespace`` for the longest prefix of ``keys`` it holds."""
         matched: list[Node] = []
-        nodes = self._nodes  # the checks of committed() inline: this runs per lookup key
-        for key in keys:
-            node = nodes.get(key)
+        space = self._spaces.get(namespace)
+        if space is None:
+            return matched
+        for key in keys:  # the checks of committed() inline: this runs per lookup key
+            node = space.get(key)
             if node is None or not node.committed or node.doomed or not node.tiers:
-                break
-            if namespace is not None and node.meta.namespace != namespace:
                 break
             matched.append(node)
         return matched
 
-    def subtree(self, key: bytes) -> list[Node]:
-        """``key``'s node and all its descendants, children before parents."""
+    def subtree(self, block: bytes) -> list[Node]:
+        """The node of ``block`` and all its descendants, children before parents."""
         order: list[Node] = []
-        stack = [key]
+        stack = [block]
         while stack:
             current = stack.pop()
             node = self._nodes.get(current)

@@ -15,6 +15,7 @@ class PutStatus(enum.Enum):
     NO_SPACE = "no_space"  # every tier is full of blocks that may not be evicted
     RESERVED = "reserved"  # shm write: arena space held; write the payload, then commit
     EXPIRED = "expired"  # commit of a reservation that expired (or never existed)
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # the written bytes differ from the writer's checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class Block:
     meta: BlockMeta
     payload: bytes  # raw layer-major KV: [layer][k|v][kv_head][token][head_dim]
     tier: str  # where this read found it
+    checksum: int = 0  # xxh3-64 of the payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,16 +64,20 @@ class StoreStats:
     demotions: int
     dropped_saves: int
     corrupt_blocks: int
+    corrupt_writes: int
     active_leases: int
     active_reservations: int
 
 
 @dataclass(frozen=True, slots=True)
 class Acquired:
-    """Leased blocks in the host arena: ``slots[i]`` holds the raw payload of block i."""
+    """Leased blocks in a host arena: ``slots[i]`` holds the raw payload of block i, whose
+    xxh3-64 is ``checksums[i]``; every slot lies in the arena named ``arena_id``."""
 
     lease: Lease
     slots: tuple[Slot, ...]
+    arena_id: bytes = b""
+    checksums: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +86,3 @@ class Reserved:
 
     status: PutStatus
     slot: Slot | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaInfo:
-    """The host arena file that co-located clients map."""
-
-    path: str
-    size: int
-    device: int  # st_dev
-    inode: int  # st_ino

@@ -7,7 +7,9 @@
   ``auth.tokens`` is set (the health service stays open to probes).
 - ``create_server(config, store)`` binds every listen address (unix sockets get
   ``server.socket_mode``; TCP port 0 gets a free port, reported in ``addresses``; TLS on TCP
-  when ``tls_cert``/``tls_key`` are set), starts serving and marks health SERVING.
+  when ``tls_cert``/``tls_key`` are set), opens the shm-session socket beside the first unix
+  socket when there is a host tier (:mod:`kvstore.sessions`), starts serving and marks
+  health SERVING.
 - ``serve(config)`` runs the daemon until SIGTERM or SIGINT: start the store and server; on a
   signal stop accepting, let calls in flight finish within ``shutdown_grace``, cancel
   prefetches, close the store (write-back blocks are flushed to SSD), remove the sockets.
@@ -17,13 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hmac
 import logging
 import os
+import secrets
 import signal
-import socket
-import stat
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +33,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.config import AuthConfig, Config, ServerConfig
 from kvstore.errors import StoreError, UnauthenticatedError
-from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.service import KVStoreService
-from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, status_of
+from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
+from kvstore.sessions import SessionServer
+from kvstore.shm_wire import session_path
+from kvstore.sockets import prepare_socket_path, unix_path
 from kvstore.store import BlockStore
 
 __all__ = ["STATUS_CODES", "Authenticator", "RunningServer", "create_server", "serve"]
@@ -72,7 +74,19 @@ class Authenticator:
         scheme, _, token = str(values[0]).partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise UnauthenticatedError("authorization metadata must be 'Bearer <token>'")
+        return self.tenant_of_token(token)
+
+    def tenant_of_token(self, token: str) -> str | None:
+        """The tenant of a bare token; ``None`` when no tokens are configured.
+
+        Raises:
+            UnauthenticatedError: the token is empty or unknown.
+        """
+        if not self._tenants:
+            return None
         offered, found = token.strip().encode(), None
+        if not offered:
+            raise UnauthenticatedError("missing bearer token")
         for known, tenant in self._tenants:  # compare every token: no timing hint
             if hmac.compare_digest(known, offered):
                 found = tenant
@@ -132,6 +146,7 @@ class RunningServer:
     addresses: tuple[str, ...]  # as bound: "unix:/path", "127.0.0.1:41234" (port 0 resolved)
     socket_paths: tuple[Path, ...]
     grace: float
+    sessions: SessionServer | None = None
 
     async def stop(self, grace: float | None = None) -> None:
         """Marks health NOT_SERVING, stops accepting, lets calls in flight finish within
@@ -139,6 +154,8 @@ class RunningServer:
         the unix sockets."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace if grace is None else grace)
+        if self.sessions is not None:
+            await self.sessions.aclose()
         await self.service.aclose()
         for path in self.socket_paths:
             path.unlink(missing_ok=True)
@@ -161,18 +178,44 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
     ]
     authenticator = Authenticator(config.auth)
     server = grpc.aio.server(interceptors=[AuthInterceptor(authenticator)], options=options)
-    service = KVStoreService(store, config)
+    service = KVStoreService(store, config, secrets.token_bytes(16))
     servicer = KVStoreServicer(service, authenticator.tenant_of, config.server.chunk_bytes)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     addresses, paths = _bind_all(server, config.server)
+    sessions = _sessions(config, store, service, authenticator, paths)
+    if sessions is not None:
+        await sessions.start()
+        service.sessions = sessions
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("kvstore listening on %s", ", ".join(addresses))
     return RunningServer(
-        server, service, health_servicer, addresses, paths, config.server.shutdown_grace
+        server, service, health_servicer, addresses, paths, config.server.shutdown_grace, sessions
+    )
+
+
+def _sessions(
+    config: Config,
+    store: BlockStore,
+    service: KVStoreService,
+    authenticator: Authenticator,
+    paths: tuple[Path, ...],
+) -> SessionServer | None:
+    """The shm-session server beside the first unix socket, when there is a host tier."""
+    if not paths or not store.has_arena:
+        return None
+    return SessionServer(
+        Path(session_path(str(paths[0]))),
+        socket_mode=int(config.server.socket_mode, 8),
+        store=store,
+        tenant_of=authenticator.tenant_of_token,
+        on_close=service.close_session,
+        instance_id=service.instance_id,
+        max_staging_bytes=config.server.max_staging_bytes,
+        max_sessions=config.server.max_sessions,
     )
 
 
@@ -185,8 +228,8 @@ def _bind_all(
     paths: list[Path] = []
     for address in config.listen:
         if address.startswith("unix:"):
-            path = _unix_path(address)
-            _prepare_socket_path(path)
+            path = unix_path(address)
+            prepare_socket_path(path)
             server.add_insecure_port(f"unix:{path}")
             os.chmod(path, int(config.socket_mode, 8))
             addresses.append(f"unix:{path}")
@@ -206,29 +249,6 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         return None
     key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
     return grpc.ssl_server_credentials([(key, cert)])
-
-
-def _unix_path(address: str) -> Path:
-    rest = address.removeprefix("unix:")
-    return Path(rest.removeprefix("//") if rest.startswith("///") else rest).expanduser()
-
-
-def _prepare_socket_path(path: Path) -> None:
-    """Creates the socket's directory; refuses a path held by a live daemon or a non-socket."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise OSError(errno.EEXIST, f"{path} exists and is not a unix socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink(missing_ok=True)  # stale: left behind by a daemon that died
-            return
-    raise OSError(errno.EADDRINUSE, f"another daemon is listening on {path}")
 
 
 async def serve(config: Config) -> None:

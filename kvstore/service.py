@@ -3,20 +3,25 @@
 ``KVStoreService`` checks every request once, here, and then calls the block store:
 
 - ``register_namespace(model, tenant)`` -> the namespace digest that every other call
-  carries; the registry maps digest -> (tenant, block layout);
+  carries; the registry maps digest -> (tenant, block layout), and the store puts the
+  namespace's blocks in that tenant's host arena;
 - ``lookup`` -> how many leading blocks are held; ``acquire`` -> lease + arena slots,
-  ``release(lease_id)``;
-- ``reserve`` -> arena slots to write, then ``commit`` (or ``abort``);
+  ``release(lease_id)``; leases are the caller's tenant's, under an id the client may choose;
+- ``reserve`` -> slots in the caller's shm session's staging area, then ``commit`` (the
+  daemon copies and checks them) or ``abort``; only that session can finish them;
 - ``get`` -> the leading held blocks; ``put`` -> one block from the streamed data plane;
   with a host tier, ``held`` and ``land`` let the streams read and write blocks in the arena;
 - ``prefetch`` -> hints run as named background tasks; ``delete``; ``stats``;
 - ``aclose()`` cancels prefetches and waits for the background work to end.
 
-Checks (:mod:`kvstore.checks`): keys and parents are 32 bytes, at most ``MAX_KEYS`` keys per
-call, a block holds exactly ``layout.block_tokens`` tokens and ``layout.payload_bytes`` bytes.
+Checks (:mod:`kvstore.checks`), all before any work: keys and parents are 32 bytes, at most
+``MAX_KEYS`` keys per call, a block holds exactly ``layout.block_tokens`` tokens and
+``layout.payload_bytes`` bytes, a namespace's block fits ``server.max_block_bytes`` and the
+top tier, a tenant holds at most ``MAX_NAMESPACES`` namespaces and ``MAX_LEASES`` leases.
 With authentication on, each call carries the caller's tenant: a namespace registered by one
-tenant cannot be used, and a lease cannot be released, with the token of another. Errors are
-the :mod:`kvstore.errors` tree, with messages that name the bad value.
+tenant cannot be used, a lease cannot be released and a session cannot be written through,
+with the token of another. Errors are the :mod:`kvstore.errors` tree, with messages that name
+the bad value.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import contextlib
 import itertools
 import logging
 import math
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+import secrets
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -48,19 +54,13 @@ from kvstore.errors import (
     InvalidRequestError,
     NoArenaError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     UnknownNamespaceError,
 )
 from kvstore.index import BlockMeta
 from kvstore.namespace import ModelFingerprint, Namespace
-from kvstore.results import (
-    Acquired,
-    ArenaInfo,
-    Block,
-    LookupResult,
-    PutStatus,
-    Reserved,
-    StoreStats,
-)
+from kvstore.results import Acquired, Block, LookupResult, PutStatus, Reserved, StoreStats
+from kvstore.sessions import Session, SessionServer
 from kvstore.store import BlockStore
 from kvstore.streams import ArenaStreams, HeldBlock, Landing
 from kvstore.tiers.base import Buffer
@@ -80,6 +80,8 @@ log = logging.getLogger(__name__)
 
 MAX_LEASE_SECONDS = 3600.0
 MAX_PREFETCH_TASKS = 64  # hints past this many in flight are dropped (they are only hints)
+MAX_NAMESPACES = 1024  # per tenant
+MAX_LEASES = 1 << 16  # per tenant, live at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +89,12 @@ class ServerInfo:
     """What a client needs to know before it uses the daemon (the Handshake)."""
 
     server_version: str
-    arena: ArenaInfo | None  # None: no host tier, so no shared-memory data plane
+    shm_socket: str  # "": no shared-memory data plane (no host tier, or no unix listener)
+    instance_id: bytes
     max_message_bytes: int
     chunk_bytes: int
     lease_seconds: float
+    max_block_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,19 +128,22 @@ class KVStoreService:
     Args:
         store: A started block store; the service does not own it (``serve`` closes it).
         config: The daemon's configuration (server limits and lease lifetime).
+        instance_id: Names this daemon process in the Handshake and shm sessions.
     """
 
-    def __init__(self, store: BlockStore, config: Config) -> None:
+    def __init__(self, store: BlockStore, config: Config, instance_id: bytes = b"") -> None:
         self._store = store
         self._server = config.server
+        self.instance_id = instance_id or secrets.token_bytes(16)
         top = store.tiers[0].tier
         self._streams = ArenaStreams(store, top) if isinstance(top, HostTier) else None
+        self.sessions: SessionServer | None = None  # set by the server when it listens on one
         self._namespaces: dict[bytes, _Registered] = {}
-        self._lease_owners: dict[int, tuple[str | None, float]] = {}  # id -> (tenant, expiry)
-        self._prune_at = 1024
+        self._per_tenant: Counter[str] = Counter()
         self._prefetches: set[asyncio.Task[int]] = set()
         self._cleanups: set[asyncio.Task[None]] = set()
         self._task_ids = itertools.count(1)
+        self._buffered = 0  # bytes of streamed blocks assembled in memory now
         self._lookups = self._lookup_hit_blocks = self._dropped = 0
 
     async def __aenter__(self) -> Self:
@@ -157,10 +164,12 @@ class KVStoreService:
     def handshake(self) -> ServerInfo:
         return ServerInfo(
             server_version=__version__,
-            arena=self._store.arena(),
+            shm_socket="" if self.sessions is None else str(self.sessions.path),
+            instance_id=self.instance_id,
             max_message_bytes=self._server.max_message_bytes,
             chunk_bytes=self._server.chunk_bytes,
             lease_seconds=self._server.lease_ttl,
+            max_block_bytes=self._max_block_bytes(),
         )
 
     def register_namespace(
@@ -177,15 +186,31 @@ class KVStoreService:
 
         Raises:
             PermissionDeniedError: ``caller`` registers for another tenant.
+            ResourceExhaustedError: the model's blocks are larger than the daemon takes, or
+                the tenant has ``MAX_NAMESPACES`` already.
         """
         if caller is not None and tenant != caller:
             raise PermissionDeniedError(
                 f"a token of tenant {caller!r} cannot register a namespace for tenant {tenant!r}"
             )
         digest = Namespace(model, tenant).digest()
-        if digest not in self._namespaces:
-            self._namespaces[digest] = _Registered(tenant, model.layout())
-            log.info("registered namespace %s: %s for tenant %r", digest.hex(), model, tenant)
+        if digest in self._namespaces:
+            return digest
+        layout = model.layout()
+        if layout.payload_bytes > self._max_block_bytes():
+            raise ResourceExhaustedError(
+                f"a block of {model.model_name!r} is {layout.payload_bytes} bytes; this daemon "
+                f"takes at most {self._max_block_bytes()} (server.max_block_bytes, and the "
+                f"{self._store.tiers[0].name} tier's capacity)"
+            )
+        if self._per_tenant[tenant] >= MAX_NAMESPACES:
+            raise ResourceExhaustedError(
+                f"tenant {tenant!r} has {MAX_NAMESPACES} namespaces registered already"
+            )
+        self._namespaces[digest] = _Registered(tenant, layout)
+        self._per_tenant[tenant] += 1
+        self._store.register_namespace(digest, tenant)
+        log.info("registered namespace %s: %s for tenant %r", digest.hex(), model, tenant)
         return digest
 
     def layout_of(self, namespace: bytes, *, tenant: str | None = None) -> BlockLayout:
@@ -196,6 +221,9 @@ class KVStoreService:
             UnknownNamespaceError: it was never registered.
             PermissionDeniedError: it belongs to another tenant.
         """
+        return self._registered(namespace, tenant).layout
+
+    def _registered(self, namespace: bytes, tenant: str | None) -> _Registered:
         if len(namespace) != KEY_BYTES:
             raise InvalidRequestError(
                 f"namespace must be a {KEY_BYTES}-byte digest, got {len(namespace)} bytes"
@@ -209,7 +237,11 @@ class KVStoreService:
             raise PermissionDeniedError(
                 f"namespace {namespace.hex()} belongs to another tenant than {tenant!r}"
             )
-        return entry.layout
+        return entry
+
+    def _max_block_bytes(self) -> int:
+        top = self._store.tiers[0].tier
+        return min(self._server.max_block_bytes, top.capacity())
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -219,7 +251,7 @@ class KVStoreService:
         """How many leading blocks of ``keys`` are held, and the highest tier of each."""
         self.layout_of(namespace, tenant=tenant)
         check_keys(keys)
-        result = await self._store.lookup(keys, namespace=namespace)
+        result = await self._store.lookup(keys, namespace)
         self._lookups += 1
         self._lookup_hit_blocks += result.num_blocks
         return result
@@ -231,43 +263,46 @@ class KVStoreService:
         lease_seconds: float = 0.0,
         *,
         tenant: str | None = None,
+        lease_id: int = 0,
     ) -> Acquired:
         """Leases the leading held blocks, promoted into the arena; their slots in key order.
 
-        A caller that goes away (deadline, cancel) while blocks are promoted gets its
+        The lease is the caller's tenant's, under ``lease_id`` when the client chose one. A
+        caller that goes away (deadline, cancel) while blocks are promoted gets its
         cancellation at once; the promotion finishes in the background and its lease is
         released, so nothing stays pinned.
 
         Raises:
-            InvalidRequestError: ``lease_seconds`` is negative, not finite or above an hour.
+            InvalidRequestError: ``lease_seconds`` is negative, not finite or above an hour,
+                or ``lease_id`` names a live lease of the caller.
+            ResourceExhaustedError: the tenant holds ``MAX_LEASES`` leases.
             NoArenaError: the daemon has no host tier.
         """
         self.layout_of(namespace, tenant=tenant)
         check_keys(keys)
         ttl = self._ttl(lease_seconds)
-        work = asyncio.ensure_future(self._store.acquire(keys, namespace=namespace, ttl=ttl))
+        if self._store.leases_of(tenant) >= MAX_LEASES:
+            raise ResourceExhaustedError(
+                f"tenant {tenant!r} holds {MAX_LEASES} leases; release some first"
+            )
+        work = asyncio.ensure_future(
+            self._store.acquire(keys, namespace, ttl, owner=tenant, lease_id=lease_id)
+        )
         try:
-            acquired = await asyncio.shield(work)
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
-            self._release_when_done(work)
+            self._release_when_done(work, tenant)
             raise
-        self._own_lease(acquired, tenant)
-        return acquired
 
     async def release(self, lease_id: int, *, tenant: str | None = None) -> None:
-        """Ends a lease.
+        """Ends one of the caller's leases.
 
         Raises:
-            UnknownLeaseError: never issued, already released or expired.
-            PermissionDeniedError: the lease was granted to another tenant.
+            UnknownLeaseError: not a live lease of the caller's tenant (never issued to it,
+                released or expired); a grant still on its way under that id is released
+                as soon as it is made.
         """
-        owner = self._lease_owners.get(lease_id)
-        if tenant is not None and owner is not None and owner[0] != tenant:
-            raise PermissionDeniedError(f"lease {lease_id} belongs to another tenant")
-        try:
-            await self._store.release(lease_id)
-        finally:
-            self._lease_owners.pop(lease_id, None)
+        await self._store.release(lease_id, owner=tenant)
 
     def get(
         self, namespace: bytes, keys: Sequence[bytes], *, tenant: str | None = None
@@ -282,7 +317,7 @@ class KVStoreService:
 
     async def _blocks(self, namespace: bytes, keys: Sequence[bytes]) -> AsyncIterator[Block]:
         for key in keys:
-            block = await self._store.get(key, namespace=namespace)
+            block = await self._store.get(key, namespace)
             if block is None:
                 return
             yield block
@@ -305,42 +340,143 @@ class KVStoreService:
         check_keys(keys)
         return self._require_streams().held(keys, namespace, layout.payload_bytes)
 
-    # -- writes -----------------------------------------------------------------------------
+    # -- writes through an shm session ------------------------------------------------------
 
     async def reserve(
-        self, namespace: bytes, blocks: Sequence[BlockSpec], *, tenant: str | None = None
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockSpec],
+        *,
+        tenant: str | None = None,
+        session: bytes = b"",
     ) -> Reservations:
-        """Holds arena slots for blocks the client writes in place, then commits.
+        """Reserves each block: arena space, and a slot of ``session``'s staging area that the
+        client writes the payload into before :meth:`commit`.
 
-        Every block is checked before any is reserved, so a bad request reserves nothing.
+        Every block is checked before any is reserved, so a bad request reserves nothing. A
+        block the staging area has no room for now is NO_SPACE (write it later).
+
+        Raises:
+            UnknownSessionError: ``session`` is not one of the caller's open sessions.
         """
         layout = self.layout_of(namespace, tenant=tenant)
         check_count("blocks", len(blocks))
         for i, spec in enumerate(blocks):
             check_spec(f"blocks[{i}]", spec, layout)
+        writer = self._session(session, tenant)
         ttl = self._server.lease_ttl
         items = []
         for spec in blocks:
-            meta = BlockMeta(namespace, spec.num_tokens, layout)
-            items.append(await self._store.reserve(spec.key, spec.parent, meta, ttl=ttl))
+            items.append(await self._reserve_one(namespace, spec, layout, writer, ttl))
         return Reservations(tuple(items), ttl)
 
+    async def _reserve_one(
+        self, namespace: bytes, spec: BlockSpec, layout: BlockLayout, writer: Session, ttl: float
+    ) -> Reserved:
+        block = spec.key + namespace
+        staging = writer.take(block, layout.payload_bytes)
+        if staging is None:
+            self._reap(writer, namespace)
+            staging = writer.take(block, layout.payload_bytes)
+        if staging is None:
+            return Reserved(PutStatus.NO_SPACE)
+        meta = BlockMeta(namespace, spec.num_tokens, layout)
+        try:
+            reserved = await self._store.reserve(
+                spec.key, spec.parent, meta, ttl=ttl, owner=writer.id
+            )
+        except BaseException:
+            writer.give(block)
+            raise
+        if reserved.status is not PutStatus.RESERVED:
+            writer.give(block)
+            return reserved
+        return Reserved(PutStatus.RESERVED, staging)
+
+    def _reap(self, writer: Session, namespace: bytes) -> None:
+        """Frees staging slots whose reservations expired (their writer never committed)."""
+        for block in list(writer.slots):
+            key, space = block[:KEY_BYTES], block[KEY_BYTES:]
+            if self._store.reserved(key, space, writer.id) is None:
+                writer.give(block)
+
     async def commit(
-        self, namespace: bytes, keys: Sequence[bytes], *, tenant: str | None = None
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        *,
+        tenant: str | None = None,
+        session: bytes = b"",
+        checksums: Sequence[int] = (),
     ) -> list[PutStatus]:
-        """Makes reserved blocks visible: STORED each, or EXPIRED without a live reservation."""
+        """Copies each reserved block from ``session``'s staging area into the arena and makes
+        it visible: STORED; EXPIRED without a live reservation of this session; or
+        CHECKSUM_MISMATCH when ``checksums`` (optional, one per key) disagree with the bytes.
+
+        Raises:
+            InvalidRequestError: ``checksums`` is neither empty nor one per key.
+            UnknownSessionError: ``session`` is not one of the caller's open sessions.
+        """
         self.layout_of(namespace, tenant=tenant)
         check_keys(keys)
-        return [await self._store.commit(key) for key in keys]
+        if checksums and len(checksums) != len(keys):
+            raise InvalidRequestError(
+                f"checksums must be empty or one per key: {len(keys)} keys, "
+                f"{len(checksums)} checksums"
+            )
+        writer = self._session(session, tenant)
+        sums = list(checksums) or [0] * len(keys)
+        return [
+            await self._commit_one(namespace, key, writer, total)
+            for key, total in zip(keys, sums, strict=True)
+        ]
+
+    async def _commit_one(
+        self, namespace: bytes, key: bytes, writer: Session, checksum: int
+    ) -> PutStatus:
+        block = key + namespace
+        staging = writer.slots.get(block)
+        if staging is None:
+            return PutStatus.EXPIRED
+        try:
+            with writer.view(staging) as source:
+                return await self._store.commit(
+                    key, namespace, owner=writer.id, source=source, checksum=checksum
+                )
+        finally:
+            writer.give(block)
 
     async def abort(
-        self, namespace: bytes, keys: Sequence[bytes], *, tenant: str | None = None
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        *,
+        tenant: str | None = None,
+        session: bytes = b"",
     ) -> None:
-        """Frees reservations; keys without one are ignored."""
+        """Frees ``session``'s reservations of ``keys``; keys without one are ignored."""
         self.layout_of(namespace, tenant=tenant)
         check_keys(keys)
+        writer = self._session(session, tenant)
         for key in keys:
-            await self._store.abort(key)
+            await self._store.abort(key, namespace, owner=writer.id)
+            writer.give(key + namespace)
+
+    async def close_session(self, session: Session) -> None:
+        """Aborts what a closed session left reserved (its client went away)."""
+        for block in list(session.slots):
+            await self._store.abort(block[:KEY_BYTES], block[KEY_BYTES:], owner=session.id)
+            session.give(block)
+
+    def _session(self, session: bytes, tenant: str | None) -> Session:
+        if self.sessions is None:
+            raise NoArenaError(
+                "this daemon has no shm sessions (no host tier or no unix listener); "
+                "write with the Put stream"
+            )
+        return self.sessions.get(session, tenant)
+
+    # -- writes through the Put stream ------------------------------------------------------
 
     async def land(
         self, namespace: bytes, spec: BlockSpec, *, tenant: str | None = None
@@ -357,8 +493,22 @@ class KVStoreService:
         meta = BlockMeta(namespace, spec.num_tokens, layout)
         return await self._require_streams().land(spec.key, spec.parent, meta)
 
+    async def commit_landing(self, landing: Landing, checksum: int = 0) -> PutStatus:
+        """Makes a block landed by the Put stream visible (or CHECKSUM_MISMATCH)."""
+        return await self._require_streams().commit(landing, checksum)
+
+    async def abort_landing(self, landing: Landing) -> None:
+        """Frees a landing the Put stream did not finish."""
+        await self._require_streams().abort(landing)
+
     async def put(
-        self, namespace: bytes, spec: BlockSpec, payload: Buffer, *, tenant: str | None = None
+        self,
+        namespace: bytes,
+        spec: BlockSpec,
+        payload: Buffer,
+        *,
+        tenant: str | None = None,
+        checksum: int = 0,
     ) -> PutStatus:
         """Stores one block received through the streamed data plane.
 
@@ -375,7 +525,26 @@ class KVStoreService:
                 f"needs {layout.payload_bytes}"
             )
         meta = BlockMeta(namespace, spec.num_tokens, layout)
-        return await self._store.put(spec.key, spec.parent, meta, payload)
+        return await self._store.put(spec.key, spec.parent, meta, payload, checksum=checksum)
+
+    @contextlib.contextmanager
+    def buffered(self, size: int) -> Iterator[bytearray]:
+        """A buffer to assemble one streamed block in, within ``server.max_buffered_bytes``.
+
+        Raises:
+            ResourceExhaustedError: that many bytes are buffered already.
+        """
+        limit = self._server.max_buffered_bytes
+        if self._buffered + size > limit:
+            raise ResourceExhaustedError(
+                f"{self._buffered} bytes of streamed blocks are buffered; a {size}-byte block "
+                f"would pass server.max_buffered_bytes ({limit})"
+            )
+        self._buffered += size
+        try:
+            yield bytearray(size)
+        finally:
+            self._buffered -= size
 
     async def delete(
         self, namespace: bytes, keys: Sequence[bytes], *, tenant: str | None = None
@@ -383,7 +552,7 @@ class KVStoreService:
         """Deletes blocks and their descendants; returns how many blocks went."""
         self.layout_of(namespace, tenant=tenant)
         check_keys(keys)
-        return sum([await self._store.delete(key, namespace=namespace) for key in keys])
+        return sum([await self._store.delete(key, namespace) for key in keys])
 
     # -- hints and statistics ---------------------------------------------------------------
 
@@ -409,7 +578,7 @@ class KVStoreService:
         queued: list[Sequence[bytes]] = []
         count = 0
         for chain in chains:
-            found = await self._store.lookup(chain, namespace=namespace)
+            found = await self._store.lookup(chain, namespace)
             below = sum(tier != top for tier in found.tiers)
             if below:
                 queued.append(chain[: found.num_blocks])
@@ -420,14 +589,14 @@ class KVStoreService:
             self._dropped += 1
             log.debug("prefetch hint of session %r dropped: too many in flight", session_id)
             return 0
-        name = f"prefetch-{next(self._task_ids)}-{session_id or 'anonymous'}"
+        name = f"prefetch-{next(self._task_ids)}-{session_id[:64] or 'anonymous'}"
         task = asyncio.create_task(self._promote(namespace, queued), name=name)
         self._prefetches.add(task)
         task.add_done_callback(self._prefetch_done)
         return count
 
     async def _promote(self, namespace: bytes, chains: list[Sequence[bytes]]) -> int:
-        return sum([await self._store.prefetch(chain, namespace=namespace) for chain in chains])
+        return sum([await self._store.prefetch(chain, namespace) for chain in chains])
 
     def _prefetch_done(self, task: asyncio.Task[int]) -> None:
         self._prefetches.discard(task)
@@ -462,19 +631,11 @@ class KVStoreService:
             raise NoArenaError("the arena data plane needs the host tier (host.enabled)")
         return self._streams
 
-    def _own_lease(self, acquired: Acquired, tenant: str | None) -> None:
-        now = time.monotonic()
-        if len(self._lease_owners) >= self._prune_at:  # expired leases: amortised O(1)
-            live = {i: o for i, o in self._lease_owners.items() if o[1] > now}
-            self._lease_owners = live
-            self._prune_at = max(1024, 2 * len(live))
-        self._lease_owners[acquired.lease.lease_id] = (tenant, acquired.lease.expires_at)
-
-    def _release_when_done(self, work: asyncio.Future[Acquired]) -> None:
+    def _release_when_done(self, work: asyncio.Future[Acquired], tenant: str | None) -> None:
         async def release() -> None:
             with contextlib.suppress(Exception):
                 acquired = await work
-                await self._store.release(acquired.lease.lease_id)
+                await self._store.release(acquired.lease.lease_id, owner=tenant)
 
         task = asyncio.create_task(release(), name=f"release-abandoned-{next(self._task_ids)}")
         self._cleanups.add(task)

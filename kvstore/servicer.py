@@ -2,8 +2,10 @@
 
 Nothing here decides anything: each method resolves the caller's tenant, converts the request,
 calls the service and converts the result. ``STATUS_CODES`` is the one table from the
-:mod:`kvstore.errors` tree to gRPC status codes; an error outside it is a bug, logged by gRPC
-and seen by the client as UNKNOWN.
+:mod:`kvstore.errors` tree to gRPC status codes. Requests are parsed here, not by gRPC
+(``add_to_server`` registers the methods with a parser that never raises): bytes that are
+not a valid message are answered INVALID_ARGUMENT, as are out-of-range values; an exception
+outside the error tree is a bug, logged and answered INTERNAL.
 
 The streamed data plane: ``Get`` sends each leading held block as ``chunk_bytes`` pieces
 (``tier`` on the first, ``last`` on the final one); ``Put`` assembles a block from the chunks
@@ -15,12 +17,14 @@ leased slots and ``Put`` copies each chunk into a slot reserved for its block.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvstore.blocks import BlockLayout
 from kvstore.checks import BlockSpec, check_spec
@@ -29,11 +33,13 @@ from kvstore.errors import (
     InvalidRequestError,
     NoArenaError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     StoreClosedError,
     StoreError,
     UnauthenticatedError,
     UnknownLeaseError,
     UnknownNamespaceError,
+    UnknownSessionError,
 )
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
@@ -42,10 +48,14 @@ from kvstore.results import PutStatus
 from kvstore.service import KVStoreService
 from kvstore.streams import Landing
 
-__all__ = ["STATUS_CODES", "KVStoreServicer", "Metadata", "status_of"]
+__all__ = ["STATUS_CODES", "KVStoreServicer", "Metadata", "add_to_server", "status_of"]
+
+log = logging.getLogger(__name__)
 
 Metadata: TypeAlias = Iterable[tuple[str, str | bytes]] | None
 Context: TypeAlias = grpc.aio.ServicerContext
+M = TypeVar("M", bound=Message)
+SERVICE = "kvstore.v1.KVStore"
 
 STATUS_CODES: dict[type[StoreError], grpc.StatusCode] = {
     InvalidBlockError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -55,6 +65,8 @@ STATUS_CODES: dict[type[StoreError], grpc.StatusCode] = {
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     NoArenaError: grpc.StatusCode.FAILED_PRECONDITION,
+    UnknownSessionError: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StoreClosedError: grpc.StatusCode.UNAVAILABLE,
 }
 """The one table from daemon errors to gRPC status codes; the client maps them back."""
@@ -68,6 +80,55 @@ def status_of(error: StoreError) -> grpc.StatusCode:
         if cls in STATUS_CODES:
             return STATUS_CODES[cls]
     return grpc.StatusCode.INTERNAL
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """What the parser hands on for bytes that are not a valid request message."""
+
+    message_type: str
+    error: str
+
+
+def _parser(cls: type[M]) -> Callable[[bytes], M | Malformed]:
+    def parse(data: bytes) -> M | Malformed:
+        try:
+            message: M = cls.FromString(data)
+            return message
+        except (DecodeError, ValueError, RuntimeError) as error:
+            return Malformed(cls.__name__, str(error) or type(error).__name__)
+
+    return parse
+
+
+def checked(request: object, cls: type[M]) -> M:
+    """The request as a ``cls``, or :class:`InvalidRequestError` for bytes that did not parse."""
+    if isinstance(request, Malformed):
+        raise InvalidRequestError(f"not a valid {request.message_type}: {request.error}")
+    if not isinstance(request, cls):
+        raise InvalidRequestError(f"expected a {cls.__name__}, got {type(request).__name__}")
+    return request
+
+
+def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
+    """Registers every method of ``kvstore.v1.KVStore`` with a parser that never raises."""
+    methods = pb.DESCRIPTOR.services_by_name["KVStore"].methods
+    handlers = {}
+    for method in methods:
+        request = getattr(pb, method.input_type.name)
+        reply = getattr(pb, method.output_type.name)
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_parser(request),
+            response_serializer=reply.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -88,80 +149,92 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._service = service
         self._tenant_of = tenant_of
         self._chunk_bytes = chunk_bytes
-        self._arena: tuple[int, int] | None = None
-
-    def _arena_identity(self) -> tuple[int, int]:
-        """(st_dev, st_ino) of the arena; fixed for the daemon's life, so read once."""
-        if self._arena is None:
-            arena = self._service.handshake().arena
-            self._arena = (0, 0) if arena is None else (arena.device, arena.inode)
-        return self._arena
 
     @contextlib.asynccontextmanager
     async def _call(self, context: Context) -> AsyncIterator[str | None]:
-        """Yields the caller's tenant; turns daemon errors into the call's status."""
+        """Yields the caller's tenant; turns daemon errors into the call's status, and any
+        other error (a bug) into INTERNAL, logged."""
         try:
             yield self._tenant_of(context.invocation_metadata())
         except StoreError as error:
             await context.abort(status_of(error), str(error))
+        except (grpc.aio.AbortError, grpc.RpcError):
+            raise
+        except Exception:
+            log.exception("a kvstore call failed on a bug")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the daemon)")
 
     async def Handshake(
-        self, request: pb.HandshakeRequest, context: Context
+        self, request: object, context: Context
     ) -> pb.HandshakeResponse:
         async with self._call(context):
+            checked(request, pb.HandshakeRequest)
             info = self._service.handshake()
-            arena = info.arena
             return pb.HandshakeResponse(
                 server_version=info.server_version,
-                arena_path=arena.path if arena else "",
-                arena_bytes=arena.size if arena else 0,
-                arena_device=arena.device if arena else 0,
-                arena_inode=arena.inode if arena else 0,
                 max_message_bytes=info.max_message_bytes,
                 chunk_bytes=info.chunk_bytes,
                 lease_seconds=info.lease_seconds,
+                shm_socket=info.shm_socket,
+                instance_id=info.instance_id,
+                max_block_bytes=info.max_block_bytes,
             )
 
     async def RegisterNamespace(
-        self, request: pb.RegisterNamespaceRequest, context: Context
+        self, request: object, context: Context
     ) -> pb.RegisterNamespaceResponse:
         async with self._call(context) as caller:
+            request = checked(request, pb.RegisterNamespaceRequest)
             model = _fingerprint(request.model)
             digest = self._service.register_namespace(model, request.tenant, caller=caller)
             return pb.RegisterNamespaceResponse(namespace=digest)
 
-    async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
+    async def Lookup(
+        self, request: object, context: Context
+    ) -> pb.LookupResponse:
         async with self._call(context) as tenant:
+            request = checked(request, pb.LookupRequest)
             found = await self._service.lookup(request.namespace, list(request.keys), tenant=tenant)
             return pb.LookupResponse(num_blocks=found.num_blocks, tiers=found.tiers)
 
-    async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
+    async def Acquire(
+        self, request: object, context: Context
+    ) -> pb.AcquireResponse:
         async with self._call(context) as tenant:
+            request = checked(request, pb.AcquireRequest)
             acquired = await self._service.acquire(
-                request.namespace, list(request.keys), request.lease_seconds, tenant=tenant
+                request.namespace,
+                list(request.keys),
+                request.lease_seconds,
+                tenant=tenant,
+                lease_id=request.lease_id,
             )
-            device, inode = self._arena_identity()
             return pb.AcquireResponse(
                 lease_id=acquired.lease.lease_id,
                 slots=[pb.Slot(offset=s.offset, length=s.length) for s in acquired.slots],
                 expires_in=_seconds_until(acquired.lease.expires_at),
-                arena_device=device,
-                arena_inode=inode,
+                arena_id=acquired.arena_id,
+                checksums=acquired.checksums,
             )
 
-    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
+    async def Release(
+        self, request: object, context: Context
+    ) -> pb.ReleaseResponse:
         async with self._call(context) as tenant:
+            request = checked(request, pb.ReleaseRequest)
             await self._service.release(request.lease_id, tenant=tenant)
             return pb.ReleaseResponse()
 
-    async def Reserve(self, request: pb.ReserveRequest, context: Context) -> pb.ReserveResponse:
+    async def Reserve(
+        self, request: object, context: Context
+    ) -> pb.ReserveResponse:
         async with self._call(context) as tenant:
+            request = checked(request, pb.ReserveRequest)
             specs = [BlockSpec(b.key, b.parent, b.num_tokens) for b in request.blocks]
-            reserved = await self._service.reserve(request.namespace, specs, tenant=tenant)
-            device, inode = self._arena_identity()
+            reserved = await self._service.reserve(
+                request.namespace, specs, tenant=tenant, session=request.session
+            )
             return pb.ReserveResponse(
-                arena_device=device,
-                arena_inode=inode,
                 reservations=[
                     pb.Reservation(
                         status=_WRITE_STATUS[r.status],
@@ -174,55 +247,77 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 expires_in=reserved.expires_in,
             )
 
-    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
+    async def Commit(
+        self, request: object, context: Context
+    ) -> pb.CommitResponse:
         async with self._call(context) as tenant:
+            request = checked(request, pb.CommitRequest)
             statuses = await self._service.commit(
-                request.namespace, list(request.keys), tenant=tenant
+                request.namespace,
+                list(request.keys),
+                tenant=tenant,
+                session=request.session,
+                checksums=list(request.checksums),
             )
             return pb.CommitResponse(statuses=[_WRITE_STATUS[s] for s in statuses])
 
-    async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
+    async def Abort(
+        self, request: object, context: Context
+    ) -> pb.AbortResponse:
         async with self._call(context) as tenant:
-            await self._service.abort(request.namespace, list(request.keys), tenant=tenant)
+            request = checked(request, pb.AbortRequest)
+            await self._service.abort(
+                request.namespace, list(request.keys), tenant=tenant, session=request.session
+            )
             return pb.AbortResponse()
 
-    async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[pb.GetChunk]:
+    async def Get(
+        self, request: object, context: Context
+    ) -> AsyncIterator[pb.GetChunk]:
         async with self._call(context) as tenant:
+            request = checked(request, pb.GetRequest)
             namespace, keys = request.namespace, list(request.keys)
             sent = 0
             if self._service.has_arena:  # chunks cut from leased arena slots
                 held = self._service.held(namespace, keys, tenant=tenant)
                 async with contextlib.aclosing(held):
                     async for found in held:
-                        for chunk in self._chunks(sent, found.payload, found.tier):
+                        for chunk in self._chunks(sent, found.payload, found.tier, found.checksum):
                             yield chunk
                         sent += 1
             # Without a host tier, or past what the arena leased (a miss, no room): copies.
             async for block in self._service.get(namespace, keys[sent:], tenant=tenant):
-                for chunk in self._chunks(sent, block.payload, block.tier):
+                for chunk in self._chunks(sent, block.payload, block.tier, block.checksum):
                     yield chunk
                 sent += 1
 
-    def _chunks(self, index: int, payload: bytes | memoryview, tier: str) -> Iterator[pb.GetChunk]:
+    def _chunks(
+        self, index: int, payload: bytes | memoryview, tier: str, checksum: int
+    ) -> Iterator[pb.GetChunk]:
         """One block's ``GetChunk`` messages, each holding a copy of its piece of ``payload``."""
         size, step = len(payload), self._chunk_bytes
         for start in range(0, max(size, 1), step):
+            first = start == 0
             yield pb.GetChunk(
                 index=index,
                 data=bytes(payload[start : start + step]),  # a bytes slice is kept as is
                 last=start + step >= size,
-                tier=tier if start == 0 else "",
+                tier=tier if first else "",
+                checksum=checksum if first else 0,
             )
 
     async def Put(
-        self, request_iterator: AsyncIterator[pb.PutChunk], context: Context
+        self, request_iterator: AsyncIterator[object], context: Context
     ) -> pb.PutResponse:
         async with self._call(context) as tenant:
             statuses = await _PutStream(self._service, tenant).run(request_iterator)
             return pb.PutResponse(statuses=[_WRITE_STATUS[s] for s in statuses])
 
-    async def Prefetch(self, request: pb.PrefetchRequest, context: Context) -> pb.PrefetchResponse:
+    async def Prefetch(
+        self, request: object, context: Context
+    ) -> pb.PrefetchResponse:
         async with self._call(context) as tenant:
+            request = checked(request, pb.PrefetchRequest)
             count = await self._service.prefetch(
                 request.namespace,
                 [list(chain.keys) for chain in request.chains],
@@ -231,13 +326,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             )
             return pb.PrefetchResponse(num_blocks=count)
 
-    async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
+    async def Delete(
+        self, request: object, context: Context
+    ) -> pb.DeleteResponse:
         async with self._call(context) as tenant:
+            request = checked(request, pb.DeleteRequest)
             count = await self._service.delete(request.namespace, list(request.keys), tenant=tenant)
             return pb.DeleteResponse(num_blocks=count)
 
-    async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
+    async def Stats(
+        self, request: object, context: Context
+    ) -> pb.StatsResponse:
         async with self._call(context):
+            checked(request, pb.StatsRequest)
             stats = self._service.stats()
             store = stats.store
             return pb.StatsResponse(
@@ -262,6 +363,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 demotions=store.demotions,
                 dropped_saves=store.dropped_saves,
                 corrupt_blocks=store.corrupt_blocks,
+                corrupt_writes=store.corrupt_writes,
                 active_leases=store.active_leases,
                 active_reservations=store.active_reservations,
                 lookups=stats.lookups,
@@ -274,14 +376,18 @@ class _Incoming:
     """The block a ``Put`` stream is in the middle of, and where its bytes go."""
 
     spec: BlockSpec
+    checksum: int  # the writer's xxh3-64 of the payload; 0: unchecked
     sink: memoryview | None  # an arena slot or a buffer; None: held already, bytes dropped
     landing: Landing | None = None  # the reserved slot, committed when the block is whole
     buffer: bytearray | None = None  # no arena room: the block is put whole from here
+    done: contextlib.ExitStack | None = None  # gives the buffer's bytes back to the budget
     filled: int = 0
 
     def release(self) -> None:
         if self.sink is not None:
             self.sink.release()
+        if self.done is not None:
+            self.done.close()
 
 
 class _PutStream:
@@ -289,7 +395,8 @@ class _PutStream:
 
     With a host tier each block's chunks are copied into an arena slot reserved on its first
     chunk, committed once it is whole and aborted if the stream fails first; a block the arena
-    has no room for (or any block, without a host tier) is assembled in memory and put.
+    has no room for (or any block, without a host tier) is assembled in memory, within
+    ``server.max_buffered_bytes``, and put.
     """
 
     def __init__(self, service: KVStoreService, tenant: str | None) -> None:
@@ -301,16 +408,17 @@ class _PutStream:
         self._block: _Incoming | None = None
         self.statuses: list[PutStatus] = []
 
-    async def run(self, chunks: AsyncIterator[pb.PutChunk]) -> list[PutStatus]:
+    async def run(self, chunks: AsyncIterator[object]) -> list[PutStatus]:
         try:
             await self._receive(chunks)
         finally:
             await self._drop()
         return self.statuses
 
-    async def _receive(self, chunks: AsyncIterator[pb.PutChunk]) -> None:
+    async def _receive(self, chunks: AsyncIterator[object]) -> None:
         position = 0
-        async for chunk in chunks:
+        async for message in chunks:
+            chunk = checked(message, pb.PutChunk)
             if position == 0:
                 self._namespace = chunk.namespace
                 self._layout = self._service.layout_of(chunk.namespace, tenant=self._tenant)
@@ -321,7 +429,7 @@ class _PutStream:
                     f"carries one namespace, {self._namespace.hex()}"
                 )
             if chunk.HasField("block"):
-                await self._begin(chunk.block)
+                await self._begin(chunk.block, chunk.checksum)
             data = chunk.data  # each read of a bytes field copies it out of the message
             if data:
                 self._append(data, position)
@@ -330,7 +438,7 @@ class _PutStream:
             position += 1
         self._check_ended()
 
-    async def _begin(self, block: pb.BlockSpec) -> None:
+    async def _begin(self, block: pb.BlockSpec, checksum: int) -> None:
         self._check_ended()
         spec = BlockSpec(block.key, block.parent, block.num_tokens)
         assert self._layout is not None  # set by the stream's first chunk
@@ -341,12 +449,13 @@ class _PutStream:
             else PutStatus.NO_SPACE
         )
         if isinstance(landed, Landing):
-            self._block = _Incoming(spec, landed.slot, landing=landed)
+            self._block = _Incoming(spec, checksum, landed.slot, landing=landed)
         elif landed is PutStatus.DEDUP:
-            self._block = _Incoming(spec, None)
+            self._block = _Incoming(spec, checksum, None)
         else:
-            buffer = bytearray(self._size)  # fresh: the store may keep a reference
-            self._block = _Incoming(spec, memoryview(buffer), buffer=buffer)
+            done = contextlib.ExitStack()
+            buffer = done.enter_context(self._service.buffered(self._size))
+            self._block = _Incoming(spec, checksum, memoryview(buffer), buffer=buffer, done=done)
 
     def _check_ended(self) -> None:
         if self._block is not None:
@@ -384,13 +493,11 @@ class _PutStream:
 
     async def _commit(self, block: _Incoming) -> PutStatus:
         if block.landing is not None:
-            keys = [block.landing.key]
-            (status,) = await self._service.commit(self._namespace, keys, tenant=self._tenant)
-            return status
+            return await self._service.commit_landing(block.landing, block.checksum)
         if block.buffer is None:
             return PutStatus.DEDUP
         return await self._service.put(
-            self._namespace, block.spec, block.buffer, tenant=self._tenant
+            self._namespace, block.spec, block.buffer, tenant=self._tenant, checksum=block.checksum
         )
 
     async def _drop(self) -> None:
@@ -399,8 +506,7 @@ class _PutStream:
         if block is not None:
             block.release()
             if block.landing is not None:
-                keys = [block.landing.key]
-                await self._service.abort(self._namespace, keys, tenant=self._tenant)
+                await self._service.abort_landing(block.landing)
 
 
 def _fingerprint(model: pb.ModelFingerprint) -> ModelFingerprint:

@@ -8,15 +8,22 @@ every read: a mismatch is a miss, the bad copy is deleted and ``corrupt_blocks``
 
 Primitives, in the order a request uses them:
 
-1. ``lookup(keys)`` -> :class:`LookupResult`: how many leading blocks are held, and where
-   (shared tiers such as Redis are asked live for keys the local index lacks);
-2. ``pin(keys)`` -> :class:`Lease` on the leading held blocks; ``release(lease_id)``;
-3. ``get(key)`` -> :class:`Block` or ``None``; promotes to the top tier on a hit;
-   ``get_layer(key, layer)`` -> one layer's raw bytes;
-4. ``put(key, parent, meta, payload)`` -> :class:`PutStatus` (``DEDUP`` when the key is held:
-   identical prefixes are stored once);
-5. ``delete(key)``, ``flush()`` (write-back blocks to the tier below, for shutdown),
+0. ``register_namespace(namespace, tenant)``: the host arena a namespace's blocks live in
+   (one arena per tenant; unregistered namespaces share the arena of tenant ``""``);
+1. ``lookup(keys, namespace)`` -> :class:`LookupResult`: how many leading blocks are held, and
+   where (shared tiers such as Redis are asked live for keys the local index lacks);
+2. ``pin(keys, namespace)`` -> :class:`Lease` on the leading held blocks; ``release(lease_id)``;
+3. ``get(key, namespace)`` -> :class:`Block` or ``None``; promotes to the top tier on a hit;
+   ``get_layer(key, namespace, layer)`` -> one layer's raw bytes;
+4. ``put(key, parent, meta, payload)`` -> :class:`PutStatus` (``DEDUP`` when the namespace
+   holds the key: identical prefixes are stored once);
+5. ``delete(key, namespace)``, ``flush()`` (write-back blocks to the tier below, for shutdown),
    ``stats()``, and ``maintain()`` (lease expiry, TTLs, watermarks; also run periodically).
+
+Every operation is scoped by a namespace: a block is indexed and stored under
+``key || namespace``, so the same key in another namespace is another block (see
+:mod:`kvstore.index`). Each block's xxh3-64 checksum is computed once, when it is committed,
+and checked whenever the block moves between tiers or is read back by copy.
 
 Eviction takes unleased blocks without children in that tier, in eviction-policy order; a
 block leaves the store entirely only if it has no children at all (a parent outlives its
@@ -37,12 +44,11 @@ from typing import Self
 from kvstore.arena import ArenaPlane
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
-from kvstore.index import BlockMeta, RadixIndex
+from kvstore.index import BlockMeta, RadixIndex, block_id
 from kvstore.leases import LeaseTable
 from kvstore.policies import EvictionPolicy, eviction_policy
 from kvstore.results import (
     Acquired,
-    ArenaInfo,
     Block,
     Lease,
     LookupResult,
@@ -51,13 +57,13 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
-from kvstore.tiering import Placement, StoreTier, tiers_from_config
+from kvstore.tiering import Placement, StoreTier, checksum_of, tiers_from_config
+from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.host import ArenaHandle, HostTier
 
 __all__ = [
     "Acquired",
-    "ArenaInfo",
     "Block",
     "BlockStore",
     "Lease",
@@ -96,13 +102,27 @@ class BlockStore:
         self._interval = maintenance_interval
         self._hint_ttl = hint_ttl
         self._counts: Counter[str] = Counter()
+        self._tenants: dict[bytes, str] = {}  # namespace -> tenant: the arena of its blocks
         self._placement = Placement(self._tiers, self.index, self.policy, self._counts)
-        self._leases = LeaseTable(self.index, self._placement, lease_ttl)
-        self._arena = (
-            ArenaPlane(self._tiers[0], self.index, self._placement, self._leases, self._counts)
-            if isinstance(self._tiers[0].tier, HostTier)
-            else None
+        top = self._tiers[0].tier
+        self._host = top if isinstance(top, HostTier) else None
+        self._leases = LeaseTable(
+            self.index,
+            self._placement,
+            lease_ttl,
+            unpin=None if self._host is None else self._host.unpin,
         )
+        self._arena: ArenaPlane | None = None
+        if self._host is not None:
+            self._host.partition_of = lambda block: self.partition_of(block[KEY_BYTES:])
+            self._arena = ArenaPlane(
+                self._tiers[0],
+                self.index,
+                self._placement,
+                self._leases,
+                self._counts,
+                self.partition_of,
+            )
         self._maintenance: asyncio.Task[None] | None = None
         self._open = False
 
@@ -138,6 +158,7 @@ class BlockStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintenance
             self._maintenance = None
+        await self._placement.drain()
         if self._open and flush:
             await self.flush()
         self._open = False
@@ -161,22 +182,33 @@ class BlockStore:
                 return slot
         raise KeyError(f"no tier named {name!r}; tiers: {[s.name for s in self._tiers]}")
 
+    # -- namespaces -------------------------------------------------------------------------
+
+    def register_namespace(self, namespace: bytes, tenant: str) -> None:
+        """Puts ``namespace``'s blocks in ``tenant``'s host arena (call before using it)."""
+        _check_key("namespace", namespace)
+        self._tenants.setdefault(namespace, tenant)
+
+    def partition_of(self, namespace: bytes) -> str:
+        """The tenant whose host arena holds ``namespace``'s blocks."""
+        return self._tenants.get(namespace, "")
+
     # -- lookups and reads ------------------------------------------------------------------
 
-    def lookup_local(self, keys: Sequence[bytes], namespace: bytes | None = None) -> LookupResult:
+    def lookup_local(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
         """Leading blocks of ``keys`` that the local index holds (no I/O)."""
         self._check_open()
         matched = self.index.match(keys, namespace)
         return LookupResult(len(matched), tuple(self._placement.top_tier(node) for node in matched))
 
-    async def lookup(self, keys: Sequence[bytes], namespace: bytes | None = None) -> LookupResult:
+    async def lookup(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
         """Leading blocks of ``keys`` held here or, past the local prefix, in shared tiers.
 
-        Shared tiers are asked by key only; :meth:`get` and :meth:`acquire` check the
-        namespace in the stored header before handing bytes out.
+        Shared tiers are asked by block id; :meth:`get` and :meth:`acquire` check the
+        stored header before handing bytes out.
         """
         local = self.lookup_local(keys, namespace)
-        rest = list(keys[local.num_blocks :])
+        rest = [key + namespace for key in keys[local.num_blocks :]]
         tiers = list(local.tiers)
         for slot in self._tiers:
             if not rest or not slot.shared:
@@ -187,12 +219,12 @@ class BlockStore:
             rest = rest[count:]
         return LookupResult(len(tiers), tuple(tiers))
 
-    async def get(self, key: bytes, namespace: bytes | None = None) -> Block | None:
-        """The block under ``key`` (a copy of its raw payload), or ``None`` on a miss.
+    async def get(self, key: bytes, namespace: bytes) -> Block | None:
+        """The block of ``key`` in ``namespace`` (a verified copy of its raw payload), or
+        ``None`` on a miss.
 
         A hit below the top tier is promoted; lower tiers with a selective write policy
-        receive the block when it reaches their hit threshold. A block of another
-        ``namespace`` is a miss.
+        receive the block when it reaches their hit threshold.
         """
         self._check_open()
         _check_key("key", key)
@@ -204,24 +236,24 @@ class BlockStore:
         node.leases += 1
         try:
             found = await self._placement.read_any(node)
+            if found is not None:
+                slot, payload = found
+                self._placement.record_hit(node, slot)
+                if slot is not self._tiers[0]:
+                    await self._placement.promote(node, payload)
+                await self._placement.write_selective(node, payload)
         finally:
             node.leases -= 1
+        await self._placement.settle(node)
         if found is None:
             self._counts["misses"] += 1
-            await self._placement.settle(node)
             return None
-        slot, payload = found
-        self._placement.record_hit(node, slot)
-        if slot is not self._tiers[0]:
-            await self._placement.promote(node, payload)
-        await self._placement.write_selective(node, payload)
-        await self._placement.settle(node)
-        return Block(node.key, node.parent, node.meta, payload, slot.name)
+        return Block(node.key, node.parent, node.meta, payload, slot.name, node.checksum)
 
-    async def get_layer(self, key: bytes, layer: int) -> bytes | None:
+    async def get_layer(self, key: bytes, namespace: bytes, layer: int) -> bytes | None:
         """Raw bytes of one layer of a block (no promotion), or ``None`` on a miss."""
         self._check_open()
-        node = self.index.committed(key)
+        node = self.index.committed(block_id(key, namespace))
         if node is None:
             return None
         offset, length = node.meta.layout.layer_range(layer)
@@ -239,49 +271,67 @@ class BlockStore:
 
     # -- writes -----------------------------------------------------------------------------
 
-    async def put(self, key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer) -> PutStatus:
+    async def put(
+        self, key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer, *, checksum: int = 0
+    ) -> PutStatus:
         """Stores a block; it becomes visible only once a tier holds all of its bytes.
 
+        ``payload`` must not change until this returns (its checksum is taken first). With a
+        nonzero ``checksum`` (the writer's xxh3-64 of it), a payload that does not match is
+        not stored: CHECKSUM_MISMATCH.
+
         Raises:
-            InvalidBlockError: a key or parent that is not 32 bytes, or a payload whose size
-                differs from ``meta.layout.payload_bytes``.
+            InvalidBlockError: a key or parent that is not 32 bytes, a payload whose size
+                differs from ``meta.layout.payload_bytes``, or a block larger than the top
+                tier.
         """
         self._check_open()
         _check_block(key, parent, meta, payload)
-        existing = self.index.get(key)
+        self._check_fits(meta.layout.payload_bytes)
+        existing = self.index.find(key, meta.namespace)
         if existing is not None:
             existing.doomed = False  # same key, same content: a re-put revives a deleted block
             existing.last_access = time.monotonic()
             self._counts["dedup_puts"] += 1
             return PutStatus.DEDUP
+        found = await checksum_of(payload)
+        if checksum and found != checksum:
+            self._counts["corrupt_writes"] += 1
+            return PutStatus.CHECKSUM_MISMATCH
+        if self.index.find(key, meta.namespace) is not None:  # put while we summed it
+            self._counts["dedup_puts"] += 1
+            return PutStatus.DEDUP
         node = self.index.begin(key, parent, meta, memoryview(payload).nbytes)
+        node.checksum = found
         node.busy += 1
         try:
             stored = await self._placement.store_in(self._tiers[0], node, payload)
             stored = await self._placement.write_through(node, payload) or stored
+        except BaseException:
+            self.index.discard(node.id)
+            raise
         finally:
             node.busy -= 1
         if not stored:
-            self.index.discard(key)
+            self.index.discard(node.id)
             self._counts["dropped_saves"] += 1
             return PutStatus.NO_SPACE
-        self.index.commit(key)
+        self.index.commit(node.id)
         self._counts["puts"] += 1
         await self.relieve_pressure()
         return PutStatus.STORED
 
-    async def delete(self, key: bytes, namespace: bytes | None = None) -> int:
+    async def delete(self, key: bytes, namespace: bytes) -> int:
         """Deletes a block and its descendants (unreachable without it); returns how many.
 
-        Blocks under a lease are hidden at once and freed when the lease ends. A block of
-        another ``namespace`` is left alone (0).
+        Blocks under a lease are hidden at once and freed when the lease ends.
         """
         self._check_open()
         _check_key("key", key)
-        root = self.index.get(key)
-        if root is None or (namespace is not None and root.meta.namespace != namespace):
+        root = self.index.find(key, namespace)
+        if root is None:
             return 0
-        nodes = self.index.subtree(key)
+        nodes = self.index.subtree(root.id)
         for node in nodes:
             node.doomed = True
         for node in nodes:
@@ -310,73 +360,124 @@ class BlockStore:
 
     # -- leases -----------------------------------------------------------------------------
 
-    def pin(
-        self, keys: Sequence[bytes], ttl: float | None = None, namespace: bytes | None = None
-    ) -> Lease:
+    def pin(self, keys: Sequence[bytes], namespace: bytes, ttl: float | None = None) -> Lease:
         """Leases the leading held blocks of ``keys``: they are not evicted or freed until
         :meth:`release` or the lease expires (``ttl`` seconds, default the store's)."""
         self._check_open()
         return self._leases.grant(self.index.match(keys, namespace), ttl)
 
-    async def release(self, lease_id: int) -> None:
-        """Ends a lease.
+    async def release(self, lease_id: int, *, owner: object = None) -> None:
+        """Ends a lease of ``owner``.
 
         Raises:
-            UnknownLeaseError: the lease was never issued, or already ended.
+            UnknownLeaseError: the lease was never issued to ``owner``, or already ended.
         """
-        await self._leases.release(lease_id)
+        await self._leases.release(lease_id, owner=owner)
+
+    def leases_of(self, owner: object) -> int:
+        """How many leases ``owner`` holds."""
+        return self._leases.count(owner)
 
     # -- shared-memory data plane (see kvstore.arena) ---------------------------------------
 
-    def arena(self) -> ArenaInfo | None:
-        """The host arena file co-located clients map, or ``None`` without a host tier."""
-        return None if self._arena is None else self._arena.info()
+    @property
+    def has_arena(self) -> bool:
+        """Whether there is a host tier, hence a shared-memory data plane."""
+        return self._arena is not None
+
+    def arena(self, partition: str) -> ArenaHandle | None:
+        """The host arena of ``partition`` that its clients map, or ``None`` without a host
+        tier."""
+        return None if self._arena is None else self._arena.arena(partition)
 
     async def acquire(
-        self, keys: Sequence[bytes], namespace: bytes | None = None, ttl: float | None = None
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        ttl: float | None = None,
+        *,
+        owner: object = None,
+        lease_id: int = 0,
     ) -> Acquired:
         """Promotes the leading held blocks of ``keys`` into the arena and leases them.
 
+        Args:
+            keys: A key chain.
+            namespace: Its namespace.
+            ttl: Seconds the lease lives (default the store's).
+            owner: Who may release the lease.
+            lease_id: An id the owner chose (0: a new one); see :mod:`kvstore.leases`.
+
         Raises:
             NoArenaError: the store has no host tier.
+            InvalidRequestError: ``lease_id`` names a live lease of ``owner``.
         """
         self._check_open()
-        return await self._require_arena().acquire(keys, namespace, ttl)
+        return await self._require_arena().acquire(
+            keys, namespace, ttl, owner=owner, lease_id=lease_id
+        )
 
     async def reserve(
-        self, key: bytes, parent: bytes, meta: BlockMeta, ttl: float | None = None
+        self,
+        key: bytes,
+        parent: bytes,
+        meta: BlockMeta,
+        ttl: float | None = None,
+        *,
+        owner: object = None,
     ) -> Reserved:
         """Holds arena space for a block (RESERVED + slot), or DEDUP / NO_SPACE.
 
         Raises:
-            InvalidBlockError: malformed key, parent or meta.
+            InvalidBlockError: malformed key, parent or meta, or a block larger than the
+                host tier.
             NoArenaError: the store has no host tier.
         """
         self._check_open()
         _check_meta(key, parent, meta)
-        return await self._require_arena().reserve(key, parent, meta, ttl)
+        return await self._require_arena().reserve(key, parent, meta, ttl, owner)
 
-    async def commit(self, key: bytes) -> PutStatus:
-        """Makes a reserved block visible: STORED, or EXPIRED without a live reservation."""
+    def reserved(self, key: bytes, namespace: bytes, owner: object = None) -> Slot | None:
+        """The slot of ``owner``'s live reservation of ``key``, or None."""
+        return None if self._arena is None else self._arena.reserved(key, namespace, owner)
+
+    def reserved_view(self, slot: Slot) -> memoryview:
+        """A writable view of a reserved slot."""
+        return self._require_arena().view(slot)
+
+    async def commit(
+        self,
+        key: bytes,
+        namespace: bytes,
+        *,
+        owner: object = None,
+        source: Buffer | None = None,
+        checksum: int = 0,
+    ) -> PutStatus:
+        """Makes ``owner``'s reservation visible: STORED, EXPIRED without a live reservation,
+        CHECKSUM_MISMATCH when its bytes differ from ``checksum`` (see
+        :meth:`kvstore.arena.ArenaPlane.commit`)."""
         self._check_open()
-        status = await self._require_arena().commit(key)
+        status = await self._require_arena().commit(
+            key, namespace, owner, source=source, checksum=checksum
+        )
         if status is PutStatus.STORED:
             await self.relieve_pressure()
         return status
 
-    async def abort(self, key: bytes) -> bool:
-        """Frees a reservation; False when there is none."""
+    async def abort(self, key: bytes, namespace: bytes, *, owner: object = None) -> bool:
+        """Frees ``owner``'s reservation; False when it holds none."""
         self._check_open()
-        return await self._require_arena().abort(key)
+        return await self._require_arena().abort(key, namespace, owner)
 
-    async def prefetch(self, keys: Sequence[bytes], namespace: bytes | None = None) -> int:
+    async def prefetch(self, keys: Sequence[bytes], namespace: bytes) -> int:
         """Moves the leading held blocks of ``keys`` up into the arena; returns how many.
 
         The eviction policy is told these blocks are wanted soon (a queued session): the
         scheduler-aware policy evicts them last and never drops them, for ``hint_ttl``.
         """
         self._check_open()
-        held = [node.key for node in self.index.match(keys, namespace)]
+        held = [node.id for node in self.index.match(keys, namespace)]
         self.policy.protect(held, time.monotonic() + self._hint_ttl)
         return await self._require_arena().prefetch(keys, namespace)
 
@@ -384,6 +485,15 @@ class BlockStore:
         if self._arena is None:
             raise NoArenaError("the shared-memory data plane needs the host tier (host.enabled)")
         return self._arena
+
+    def _check_fits(self, size: int) -> None:
+        top = self._tiers[0].tier
+        fits = self._host.fits(size) if self._host is not None else size < top.capacity()
+        if not fits:
+            raise InvalidBlockError(
+                f"a block of {size} bytes can never fit in the {top.name} tier "
+                f"({top.capacity()} bytes)"
+            )
 
     # -- maintenance ------------------------------------------------------------------------
 
@@ -434,6 +544,7 @@ class BlockStore:
             demotions=c["demotions"],
             dropped_saves=c["dropped_saves"],
             corrupt_blocks=c["corrupt_blocks"],
+            corrupt_writes=c["corrupt_writes"],
             active_leases=len(self._leases),
             active_reservations=0 if self._arena is None else len(self._arena),
         )

@@ -18,9 +18,10 @@ Requests are checked by the caller (:class:`~kvstore.service.KVStoreService`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.errors import UnknownLeaseError
 from kvstore.index import BlockMeta
@@ -41,6 +42,7 @@ class HeldBlock:
 
     tier: str  # where the block was found (it is in the arena now)
     payload: memoryview  # its slot, read-only; valid until the next block is asked for
+    checksum: int  # xxh3-64 of the payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,10 @@ class Landing:
     """An arena slot reserved for a block of the Put stream: write it, then commit or abort."""
 
     key: bytes
+    namespace: bytes
     slot: memoryview  # writable; release it once the block is committed or aborted
     deadline: float  # time.monotonic() from which the reservation may be reclaimed
+    owner: tuple[str, int] = field(default=("stream", 0))  # who may commit or abort it
 
 
 class ArenaStreams:
@@ -58,6 +62,7 @@ class ArenaStreams:
     def __init__(self, store: BlockStore, host: HostTier) -> None:
         self._store = store
         self._host = host
+        self._landings = itertools.count(1)
 
     async def held(
         self, keys: Sequence[bytes], namespace: bytes, block_bytes: int
@@ -82,25 +87,26 @@ class ArenaStreams:
         """The leading held blocks of ``keys``, leased and pinned until the context exits."""
         host = self._host
         found = await self._store.lookup(keys, namespace)  # before promotion moves them up
-        acquired = await self._store.acquire(keys, namespace)
+        acquired = await self._store.acquire(keys, namespace, owner=_OWNER)
         pinned: list[Slot] = []
         views: list[memoryview] = []
         try:
             for key in keys[: len(acquired.slots)]:
-                slot = host.pin(key)
+                slot = host.pin(key + namespace)
                 if slot is None:  # cannot happen while leased: stop rather than skip a block
                     break
                 pinned.append(slot)
                 views.append(host.view(slot).toreadonly())
             tiers = [*found.tiers, *[host.name] * len(views)]  # adopted while promoting
-            yield [HeldBlock(tier, view) for tier, view in zip(tiers, views, strict=False)]
+            sums = acquired.checksums
+            yield [HeldBlock(*held) for held in zip(tiers, views, sums, strict=False)]
         finally:
             for view in views:
                 view.release()
             for slot in pinned:
                 host.unpin(slot)
             with contextlib.suppress(UnknownLeaseError):  # it expired: the pins kept the bytes
-                await self._store.release(acquired.lease.lease_id)
+                await self._store.release(acquired.lease.lease_id, owner=_OWNER)
 
     async def land(self, key: bytes, parent: bytes, meta: BlockMeta) -> Landing | PutStatus:
         """Reserves an arena slot for a block of the Put stream, to be written in place.
@@ -113,7 +119,21 @@ class ArenaStreams:
             already; ``NO_SPACE`` when the arena has no room (store it whole instead).
         """
         deadline = time.monotonic() + LANDING_SECONDS  # the reservation's clock starts later
-        reserved = await self._store.reserve(key, parent, meta, ttl=LANDING_SECONDS)
+        owner = ("stream", next(self._landings))
+        reserved = await self._store.reserve(key, parent, meta, ttl=LANDING_SECONDS, owner=owner)
         if reserved.slot is None:
             return reserved.status
-        return Landing(key, self._host.view(reserved.slot), deadline)
+        return Landing(key, meta.namespace, self._host.view(reserved.slot), deadline, owner)
+
+    async def commit(self, landing: Landing, checksum: int = 0) -> PutStatus:
+        """Makes a landed block visible (STORED), or CHECKSUM_MISMATCH (not stored)."""
+        return await self._store.commit(
+            landing.key, landing.namespace, owner=landing.owner, checksum=checksum
+        )
+
+    async def abort(self, landing: Landing) -> None:
+        """Frees a landing the stream did not finish."""
+        await self._store.abort(landing.key, landing.namespace, owner=landing.owner)
+
+
+_OWNER = object()  # the owner of the daemon's own leases: no tenant can name it

@@ -1,12 +1,16 @@
 r"""Placement: writing, reading, promoting, demoting and evicting blocks across the tiers.
 
 The engine room of :class:`kvstore.store.BlockStore`. ``Placement`` holds the ordered tiers,
-the radix index and the eviction policy, and moves bytes between tiers:
+the radix index and the eviction policy, and moves bytes between tiers. Every block is stored
+under its block id (``key || namespace``, :func:`kvstore.index.block_id`).
 
-- ``store_in(tier, node, payload)`` writes a copy, evicting in that tier until it fits;
-- ``read_payload`` / ``read_layer`` read a copy back; the top tier holds the raw payload,
-  lower tiers the encoded block whose checksums are verified on every read (a corrupt copy
-  is deleted and counted, and reads as a miss);
+- ``store_in(tier, node, payload)`` writes a copy, evicting in that tier until it fits; one
+  write per (block, tier) is in flight at a time and concurrent callers share it;
+- ``promote(node)`` copies a block up into the top tier; one promotion per block is in flight
+  at a time, and every concurrent reader waits for that one;
+- ``read_payload`` / ``read_layer`` read a copy back, verified: the top tier's raw copy against
+  the block's checksum, a lower tier's encoded block against its per-layer and payload
+  checksums (and the block's own). A corrupt copy is deleted, counted, and reads as a miss;
 - ``evict_one(tier)`` picks the first evictable block in policy order and ``evict``\ s it:
   copy down when the lower tier's write policy admits it, then free the upper copy;
 - ``settle(node)`` frees deleted blocks once unleased and forgets blocks with no copy left.
@@ -21,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -30,22 +34,25 @@ from kvstore.blocks import (
     HEADER_PREFIX_BYTES,
     BlockFormatError,
     BlockHeader,
+    ChecksumMismatchError,
     Codec,
     decode_block,
     decode_header,
     decode_layer,
     encode_block,
     header_length,
+    payload_checksum,
 )
 from kvstore.config import Config
-from kvstore.index import BlockMeta, Node, RadixIndex
+from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
 from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
 from kvstore.tiers.base import Buffer, Tier
 
 log = logging.getLogger(__name__)
 
-OFFLOAD_BYTES = 1 << 20  # copies and codecs above this size run in a worker thread
+OFFLOAD_BYTES = 1 << 20  # copies, checksums and codecs above this size run in a worker thread
 CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "lz4_shuffle": Codec.LZ4_SHUFFLE}
+PROMOTE = "^promote"  # the in-flight key of a node's promotion (tier names are plain words)
 T = TypeVar("T")
 
 
@@ -71,6 +78,11 @@ async def offload(size: int, fn: Callable[..., T], *args: object, **kwargs: obje
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+async def checksum_of(payload: Buffer) -> int:
+    """The payload's xxh3-64, computed in a worker thread when it is large."""
+    return await offload(memoryview(payload).nbytes, payload_checksum, payload)
+
+
 class Placement:
     """Tiers, index and eviction policy, and the moves between tiers."""
 
@@ -85,22 +97,72 @@ class Placement:
         self.index = index
         self.policy = policy
         self.counts = counts
+        self._by_name = {slot.name: slot for slot in tiers}
+        self._flights: set[asyncio.Task[bool]] = set()
 
-    # -- internals: moving blocks -----------------------------------------------------------
+    def tier_named(self, name: str) -> StoreTier:
+        return self._by_name[name]
+
+    async def drain(self) -> None:
+        """Waits for the writes and promotions in flight (for shutdown)."""
+        while self._flights:
+            await asyncio.gather(*self._flights, return_exceptions=True)
+
+    # -- single flight ----------------------------------------------------------------------
+
+    async def once(self, node: Node, what: str, work: Callable[[], Awaitable[bool]]) -> bool:
+        """Runs ``work`` unless the same ``what`` of ``node`` is in flight, then shares it.
+
+        The work runs as a task of its own: a cancelled caller stops waiting, the others (and
+        the bookkeeping of the work itself) are not cancelled with it.
+        """
+        flights = node.flights
+        task = flights.get(what)
+        if task is None:
+
+            async def run() -> bool:
+                try:
+                    return await work()
+                finally:
+                    if flights.get(what) is task:
+                        del flights[what]
+                    await self.settle(node)
+
+            task = asyncio.ensure_future(run())
+            flights[what] = task
+            self._flights.add(task)
+            task.add_done_callback(self._landed)
+        return await asyncio.shield(task)
+
+    def _landed(self, task: asyncio.Task[bool]) -> None:
+        self._flights.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.debug("a tier write or promotion failed: %r", error)
+
+    # -- writes -----------------------------------------------------------------------------
 
     async def store_in(self, slot: StoreTier, node: Node, payload: Buffer) -> bool:
         """Writes ``node`` into ``slot``, evicting there as needed. False when it cannot."""
         if slot.name in node.tiers:
             return True
-        blob = await self.encode(slot, node, payload)
-        capacity = slot.tier.capacity()
-        while True:
-            if slot.tier.usage() + len(blob) <= capacity and await slot.tier.put(node.key, blob):
-                break
-            if not slot.tier.healthy() or not await self.evict_one(slot):
-                return False
+        return await self.once(node, slot.name, lambda: self._store(slot, node, payload))
+
+    async def _store(self, slot: StoreTier, node: Node, payload: Buffer) -> bool:
+        if slot.name in node.tiers:
+            return True
+        node.busy += 1
+        try:
+            blob = await self.encode(slot, node, payload)
+            capacity = slot.tier.capacity()
+            while True:
+                if slot.tier.usage() + len(blob) <= capacity and await slot.tier.put(node.id, blob):
+                    break
+                if not slot.tier.healthy() or not await self.evict_one(slot):
+                    return False
+        finally:
+            node.busy -= 1
         node.tiers.add(slot.name)
-        self.policy.inserted(slot.name, node.key)
+        self.policy.inserted(slot.name, node.id)
         return True
 
     async def encode(self, slot: StoreTier, node: Node, payload: Buffer) -> Buffer:
@@ -116,19 +178,38 @@ class Placement:
             layout=node.meta.layout,
             payload=payload,
             codec=slot.codec,
+            checksum=node.checksum,
         )
 
+    async def write_through(self, node: Node, payload: Buffer) -> bool:
+        """Copies a new block into every lower tier whose policy writes at put time."""
+        stored = False
+        for slot in self.tiers[1:]:
+            if slot.write.on_put:
+                stored = await self.store_in(slot, node, payload) or stored
+        return stored
+
+    async def write_selective(self, node: Node, payload: bytes) -> None:
+        for slot in self.tiers[1:]:
+            if slot.name not in node.tiers and slot.write.admits_on_hit(node.hits):
+                await self.store_in(slot, node, payload)
+
+    # -- reads ------------------------------------------------------------------------------
+
     async def read_payload(self, slot: StoreTier, node: Node) -> bytes | None:
-        """The raw payload from ``slot``; drops a missing or corrupt copy from the index."""
-        blob = await slot.tier.get(node.key)
+        """The raw payload from ``slot``, verified; drops a missing or corrupt copy."""
+        blob = await slot.tier.get(node.id)
         if blob is None:
             self.lost_copy(slot, node)
             return None
-        if slot.codec is None:
-            return blob
         try:
+            if slot.codec is None:
+                found = await checksum_of(blob)
+                if found != node.checksum:
+                    raise ChecksumMismatchError(-1, node.checksum, found)
+                return blob
             header, payload = await offload(len(blob), decode_block, blob)
-            check_header(header, node)
+            self.check_header(slot, header, node)
         except BlockFormatError as error:
             await self.drop_corrupt(slot, node, error)
             return None
@@ -146,14 +227,14 @@ class Placement:
         self, slot: StoreTier, node: Node, layer: int, offset: int, length: int
     ) -> bytes | None:
         if slot.codec is None:
-            return await slot.tier.get_range(node.key, offset, length)
+            return await slot.tier.get_range(node.id, offset, length)
         try:
-            header = await self.read_header(slot, node.key)
+            header = await self.read_header(slot, node.id)
             if header is None:
                 return None
-            check_header(header, node)
+            self.check_header(slot, header, node)
             start, size = header.stored_range(layer)
-            stored = await slot.tier.get_range(node.key, start, size)
+            stored = await slot.tier.get_range(node.id, start, size)
             if stored is None:
                 return None
             return await offload(size, decode_layer, header, stored, layer)
@@ -161,85 +242,122 @@ class Placement:
             await self.drop_corrupt(slot, node, error)
             return None
 
-    async def read_header(self, slot: StoreTier, key: bytes) -> BlockHeader | None:
-        prefix = await slot.tier.get_range(key, 0, HEADER_PREFIX_BYTES)
+    async def read_header(self, slot: StoreTier, block: bytes) -> BlockHeader | None:
+        prefix = await slot.tier.get_range(block, 0, HEADER_PREFIX_BYTES)
         if prefix is None:
             return None
-        raw = await slot.tier.get_range(key, 0, header_length(prefix))
+        raw = await slot.tier.get_range(block, 0, header_length(prefix))
         return None if raw is None else decode_header(raw)
 
+    def check_header(self, slot: StoreTier, header: BlockHeader, node: Node) -> None:
+        """Raises ``BlockFormatError`` unless ``header`` is this block's (key, namespace,
+        layout and checksum). A shared tier may hold another node's equally valid KV for the
+        same tokens (a different checksum): adopted when no local copy says otherwise."""
+        if (header.key, header.namespace, header.layout) != (
+            node.key,
+            node.namespace,
+            node.meta.layout,
+        ):
+            raise BlockFormatError(
+                f"stored header is for key {header.key.hex()[:16]} namespace "
+                f"{header.namespace.hex()[:16]} layout {header.layout}, expected key "
+                f"{node.key.hex()[:16]} namespace {node.namespace.hex()[:16]} "
+                f"layout {node.meta.layout}"
+            )
+        if header.checksum == node.checksum:
+            return
+        local = [s for s in self.tiers if s.name in node.tiers and not s.shared]
+        if slot.shared and not local:
+            node.checksum = header.checksum
+            return
+        raise ChecksumMismatchError(-1, node.checksum, header.checksum)
+
     async def drop_corrupt(self, slot: StoreTier, node: Node, error: Exception) -> None:
-        log.warning("dropping corrupt copy of %s in %s: %s", node.key.hex()[:16], slot.name, error)
+        log.warning("dropping corrupt copy of %s in %s: %s", node.id.hex()[:16], slot.name, error)
         self.counts["corrupt_blocks"] += 1
         self.lost_copy(slot, node)
-        await slot.tier.delete(node.key)
+        await slot.tier.delete(node.id)
 
     def lost_copy(self, slot: StoreTier, node: Node) -> None:
         node.tiers.discard(slot.name)
-        self.policy.removed(slot.name, node.key)
+        self.policy.removed(slot.name, node.id)
 
-    async def promote(self, node: Node, payload: bytes) -> None:
+    # -- promotion --------------------------------------------------------------------------
+
+    async def promote(self, node: Node, payload: bytes | None = None) -> bool:
+        """Copies ``node`` up into the top tier (``payload``, already read and verified, or
+        from the highest tier with a good copy); one promotion per block at a time, shared by
+        every concurrent caller."""
+        top = self.tiers[0]
+        if top.name in node.tiers:
+            return True
+        return await self.once(node, PROMOTE, lambda: self._promote(node, payload))
+
+    async def _promote(self, node: Node, payload: bytes | None) -> bool:
+        top = self.tiers[0]
+        if top.name in node.tiers:
+            return True
         node.busy += 1
         try:
-            if await self.store_in(self.tiers[0], node, payload):
-                self.counts["promotions"] += 1
+            if payload is None:
+                found = await self.read_any(node)
+                if found is None:
+                    return False
+                source, payload = found
+                if source is top:
+                    return True
+            if not await self.store_in(top, node, payload):
+                return False
+            self.counts["promotions"] += 1
+            return True
         finally:
             node.busy -= 1
 
-    async def write_selective(self, node: Node, payload: bytes) -> None:
-        for slot in self.tiers[1:]:
-            if slot.name not in node.tiers and slot.write.admits_on_hit(node.hits):
-                node.busy += 1
-                try:
-                    await self.store_in(slot, node, payload)
-                finally:
-                    node.busy -= 1
+    async def held(self, key: bytes, namespace: bytes) -> Node | None:
+        """The committed block of ``key`` in ``namespace``, found locally or in a shared tier;
+        ``None`` on a miss."""
+        node = self.index.find(key, namespace)
+        if node is not None:
+            return node if node.committed and not node.doomed and node.tiers else None
+        return await self.discover(key, namespace)
 
-    async def held(self, key: bytes, namespace: bytes | None) -> Node | None:
-        """The committed block under ``key`` (of ``namespace`` when given), found locally or
-        in a shared tier; ``None`` on a miss."""
-        node = self.index.committed(key) or await self.discover(key)
-        if node is None or (namespace is not None and node.meta.namespace != namespace):
-            return None
-        return node
-
-    async def write_through(self, node: Node, payload: Buffer) -> bool:
-        """Copies a new block into every lower tier whose policy writes at put time."""
-        stored = False
-        for slot in self.tiers[1:]:
-            if slot.write.on_put:
-                stored = await self.store_in(slot, node, payload) or stored
-        return stored
-
-    async def discover(self, key: bytes) -> Node | None:
+    async def discover(self, key: bytes, namespace: bytes) -> Node | None:
         """Adopts a block that another node wrote to a shared tier into the local index."""
+        block = key + namespace
         for slot in self.tiers:
             if not slot.shared:
                 continue
             try:
-                header = await self.read_header(slot, key)
+                header = await self.read_header(slot, block)
             except BlockFormatError as error:
-                log.warning("corrupt header for %s in %s: %s", key.hex()[:16], slot.name, error)
+                log.warning("corrupt header for %s in %s: %s", block.hex()[:16], slot.name, error)
                 self.counts["corrupt_blocks"] += 1
-                await slot.tier.delete(key)
+                await slot.tier.delete(block)
                 continue
-            if header is None or header.key != key or self.index.get(key) is not None:
+            if header is None or (header.key, header.namespace) != (key, namespace):
                 continue
-            meta = BlockMeta(header.namespace, header.num_tokens, header.layout)
-            node = self.index.begin(key, header.parent, meta, header.layout.payload_bytes)
-            node.tiers.add(slot.name)
-            self.policy.inserted(slot.name, key)
-            return self.index.commit(key)
+            if self.index.find(key, namespace) is not None:
+                return None  # adopted (or written) while we read: ask again
+            return self.adopt(slot, header)
         return None
+
+    def adopt(self, slot: StoreTier, header: BlockHeader) -> Node:
+        """A committed node for a block that ``slot`` holds (its header read and checked)."""
+        meta = BlockMeta(header.namespace, header.num_tokens, header.layout)
+        node = self.index.begin(header.key, header.parent, meta, header.layout.payload_bytes)
+        node.checksum = header.checksum
+        node.tiers.add(slot.name)
+        self.policy.inserted(slot.name, node.id)
+        return self.index.commit(node.id)
 
     # -- eviction ----------------------------------------------------------------------------
 
     async def evict_one(self, slot: StoreTier) -> bool:
         """Evicts one block from ``slot`` (demoting it first per policy). False if none may go."""
-        for key in self.policy.victims(slot.name):
-            node = self.index.get(key)
+        for block in self.policy.victims(slot.name):
+            node = self.index.get(block)
             if node is None or slot.name not in node.tiers:
-                self.policy.removed(slot.name, key)
+                self.policy.removed(slot.name, block)
                 continue
             if self.evictable(node, slot):
                 await self.evict(node, slot)
@@ -247,13 +365,15 @@ class Placement:
         return False
 
     def evictable(self, node: Node, slot: StoreTier) -> bool:
-        if not node.committed or node.pinned or self.index.has_children_in(node.key, slot.name):
+        if not node.committed or node.pinned or node.flights:
+            return False
+        if self.index.has_children_in(node.id, slot.name):
             return False
         if node.tiers - {slot.name} or self.demotion_target(node, slot) is not None:
             return True
-        if self.policy.protected(node.key):
+        if self.policy.protected(node.id):
             return False  # a queued session needs it: it may move down, never out
-        return not self.index.children_of(node.key)  # its last copy: a parent outlives children
+        return not self.index.children_of(node.id)  # its last copy: a parent outlives children
 
     def demotion_target(self, node: Node, slot: StoreTier) -> StoreTier | None:
         position = self.tiers.index(slot)
@@ -274,7 +394,7 @@ class Placement:
                     self.counts["demotions"] += 1
             if slot.name in node.tiers:
                 self.lost_copy(slot, node)
-                await slot.tier.delete(node.key)
+                await slot.tier.delete(node.id)
                 self.counts[f"evictions.{slot.name}"] += 1
         finally:
             node.busy -= 1
@@ -287,22 +407,22 @@ class Placement:
 
     async def settle(self, node: Node) -> None:
         """Frees a deleted block once nothing uses it; forgets a block with no copy left."""
-        if node.pinned:
+        if node.pinned or node.flights:
             return
         if node.doomed:
             for slot in self.tiers:
                 if slot.name in node.tiers:
                     self.lost_copy(slot, node)
-                    await slot.tier.delete(node.key)
-        if not node.tiers and node.committed and self.index.get(node.key) is node:
-            self.index.discard(node.key)
+                    await slot.tier.delete(node.id)
+        if not node.tiers and node.committed and self.index.get(node.id) is node:
+            self.index.discard(node.id)
 
     # -- misc --------------------------------------------------------------------------------
 
     def record_hit(self, node: Node, slot: StoreTier) -> None:
         node.hits += 1
         node.last_access = time.monotonic()
-        self.policy.accessed(node.key)
+        self.policy.accessed(node.id)
         self.counts[f"hits.{slot.name}"] += 1
 
     def top_tier(self, node: Node) -> str:
@@ -314,50 +434,49 @@ class Placement:
             name = slot.tier.name
             if name in held:
                 return name
-        raise LookupError(f"block {node.key.hex()[:16]} is in no tier")
+        raise LookupError(f"block {node.id.hex()[:16]} is in no tier")
 
     async def rebuild_from(self, slot: StoreTier) -> None:
-        """Re-adds the blocks a persistent tier holds (its files carry key and parent)."""
+        """Re-adds the blocks a persistent tier holds (their headers carry key, parent,
+        namespace and checksum)."""
         adopted = dropped = 0
-        for key in list(slot.tier.keys()):
+        for block in list(slot.tier.keys()):
             try:
-                header = await self.read_header(slot, key)
+                header = await self.read_header(slot, block) if len(block) == ID_BYTES else None
             except BlockFormatError as error:
-                log.warning("dropping %s from %s at start: %s", key.hex()[:16], slot.name, error)
+                log.warning("dropping %s from %s at start: %s", block.hex()[:16], slot.name, error)
                 header = None
-            if header is None or header.key != key:
-                await slot.tier.delete(key)
+            if header is None or header.key + header.namespace != block:
+                await slot.tier.delete(block)
                 dropped += 1
                 continue
-            node = self.index.get(key)
+            node = self.index.get(block)
             if node is None:
-                meta = BlockMeta(header.namespace, header.num_tokens, header.layout)
-                node = self.index.begin(key, header.parent, meta, header.layout.payload_bytes)
-                self.index.commit(key)
-            node.tiers.add(slot.name)
-            self.policy.inserted(slot.name, key)
+                self.adopt(slot, header)
+            else:
+                node.tiers.add(slot.name)
+                self.policy.inserted(slot.name, block)
             adopted += 1
         self.counts["corrupt_blocks"] += dropped
         log.info("%s: rebuilt %d blocks from storage, dropped %d", slot.name, adopted, dropped)
 
 
-def check_header(header: BlockHeader, node: Node) -> None:
-    if header.key != node.key or header.layout != node.meta.layout:
-        raise BlockFormatError(
-            f"stored header is for key {header.key.hex()[:16]} layout {header.layout}, "
-            f"expected key {node.key.hex()[:16]} layout {node.meta.layout}"
-        )
+def tiers_from_config(
+    config: Config, partition_of: Callable[[bytes], str] | None = None
+) -> list[StoreTier]:
+    """The enabled tiers of ``config``, top to bottom, with their policies (not started).
 
-
-def tiers_from_config(config: Config) -> list[StoreTier]:
-    """The enabled tiers of ``config``, top to bottom, with their policies (not started)."""
+    Args:
+        config: The daemon's configuration.
+        partition_of: The host arena a block id belongs to (the daemon: its tenant's).
+    """
     from kvstore.tiers.host import HostTier
     from kvstore.tiers.redis import RedisTier
     from kvstore.tiers.ssd import SsdTier
 
     tiers: list[StoreTier] = []
     if config.host.enabled:
-        host = HostTier(config.host.capacity, directory=config.host.directory)
+        host = HostTier(config.host.capacity, partition_of=partition_of)
         tiers.append(StoreTier(host, None, write_policy("write_through", 1), config.host.ttl))
     if config.ssd.enabled:
         ssd_cfg = config.ssd

@@ -1,49 +1,58 @@
-"""Host tier: blobs in one shared-memory arena file that other processes may map.
+"""Host tier: blobs in shared memory that co-located clients map, one arena per partition.
 
-``start()`` creates ``<directory>/kvstore-<pid>-<random hex>.arena`` (mode 0600), sizes it to
-the capacity, reserves its pages up front (so a too-small ``/dev/shm`` fails here, not later
-as a ``SIGBUS``) and maps it shared. :class:`~kvstore.tiers.allocator.ArenaAllocator` places
-the blobs; ``aclose()`` waits for copies in flight, unmaps the arena and unlinks the file.
+A *partition* is an opaque name a key belongs to (``partition_of(key)``; the daemon uses the
+tenant, so tenants never share memory). Each partition has its own arena: an anonymous
+memory file (memfd: no path under ``/dev/shm``, gone when the process dies) of
+``capacity_bytes``, mapped read-write by this process only. Co-located clients get a
+read-only descriptor of their partition's arena (:meth:`HostTier.arena`), sent over a unix
+socket by the daemon: they can read it in place but not write or resize it (the file is
+sealed against resizing and its mode is 0400, so a process of another user cannot reopen it
+for writing either).
+
+One :class:`~kvstore.tiers.allocator.ArenaAllocator` places the blobs of every partition in
+one range ``[0, capacity)``: a byte range belongs to at most one partition at a time, and
+when it passes to another partition its pages are given back from the previous partition's
+file (``MADV_REMOVE``). So the memory held never exceeds ``capacity_bytes`` however the
+partitions take turns, and reusing a range within one partition costs no page faults.
 
 Primitives, beyond the :class:`~kvstore.tiers.base.Tier` contract (``put``, ``get``,
-``get_range``, ``contains``, ``contains_many``, ``delete``, ``keys``, ``usage``, ...), for a
-client that maps ``arena_path`` itself and moves the bytes without a copy through the daemon:
+``get_range``, ``contains``, ``contains_many``, ``delete``, ``keys``, ``usage``, ...):
 
 1. ``reserve(key, length)`` -> a :class:`Slot`, or ``None`` when there is no room. The space is
    held (it counts in ``usage()``) but the key stays invisible to ``get``/``contains``/``keys``.
-2. The client writes the slot's bytes (``view(slot)`` in this process).
-3. ``commit(key)`` -> the slot, now the visible blob; an older blob of the key is released.
-   ``abort(key)`` releases the reservation instead.
-4. ``locate(key)`` -> the committed slot; ``pin(key)`` / ``unpin(slot)`` around reading it in
-   place keep its bytes from being reused by a later put meanwhile.
-5. ``get_into(key, out)`` -> the blob's length, copied into a buffer the caller owns (no new
-   allocation, so no page faults on fresh memory), or ``None`` on a miss.
+2. The owner writes the slot's bytes (``view(slot)``).
+3. ``commit(key)`` -> the slot, now the visible blob; a key that is already committed cannot
+   be committed over (``SlotExistsError``). ``abort(key)`` releases the reservation instead.
+4. ``locate(key)`` -> the committed slot; ``pin(key)`` / ``unpin(slot)`` around every use of
+   its bytes outside this tier (a lease, a view) keep them from being freed or reused: a
+   deleted or replaced blob's slot is freed only at its last unpin.
+5. ``get_into(key, out)`` -> the blob's length, copied into a buffer the caller owns.
+6. ``arena(partition)`` -> :class:`ArenaHandle` (id, size, read-only descriptor).
 
-``put`` is reserve + copy + commit on a private reservation, so concurrent puts of one key never
-clash: the last to finish wins.
+``put`` is reserve + copy + commit on a private reservation; a put of a committed key
+replaces it (the old slot is freed at its last unpin).
 
 Safety: all bookkeeping runs on the event loop thread. Copies of ``COPY_IN_THREAD_BYTES`` or
-more run in a worker thread that does not hold the GIL (``ctypes.memmove`` into the arena and
-out of it to a caller's buffer, ``os.pread`` out of it to new bytes), and a cancelled caller
-still waits for its thread to finish. A slot being read is pinned: deleting or replacing its
-key defers the free to the last unpin, so no put can reuse bytes a copy is still reading.
+more run in a worker thread that does not hold the GIL, and a cancelled caller still waits
+for its thread to finish.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import bisect
+import fcntl
 import functools
 import logging
 import mmap
 import os
 import secrets
-import warnings
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import ParamSpec, Self, TypeVar
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from .allocator import ArenaAllocator, Slot
 from .base import (
@@ -59,17 +68,13 @@ from .base import (
 # Below this a copy runs inline: at memcpy speed it takes < 0.5 ms, less than handing it to a
 # worker thread and waking the loop again costs on a busy machine.
 COPY_IN_THREAD_BYTES = 4 * 1024 * 1024
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 logger = logging.getLogger(__name__)
 
-# torch.frombuffer warns once per process that a tensor over read-only bytes could write them.
-# The source tensors of put are only ever read: spend that one warning here, silenced.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    torch.frombuffer(b"\0", dtype=torch.uint8)
-
 P = ParamSpec("P")
 T = TypeVar("T")
+Bytes = npt.NDArray[np.uint8]
 
 
 class ReservationExistsError(TierError, ValueError):
@@ -80,6 +85,10 @@ class ReservationNotFoundError(TierError, LookupError):
     """``commit`` of a key that has no pending reservation."""
 
 
+class SlotExistsError(TierError, ValueError):
+    """``commit`` of a key that already has a committed blob."""
+
+
 class InvalidSlotError(TierError, ValueError):
     """A slot outside the arena, or ``unpin`` of a slot that is not pinned."""
 
@@ -88,15 +97,136 @@ class InvalidBufferError(TierError, ValueError):
     """A ``get_into`` buffer that is read-only, not contiguous or shorter than the blob."""
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaHandle:
+    """One partition's arena as a client maps it.
+
+    Attributes:
+        partition: The partition's name.
+        arena_id: 16 random bytes naming this arena (a restarted daemon has new ones).
+        size: Bytes of the arena file.
+        fd: A read-only descriptor of the file, owned by the tier (send or dup it).
+    """
+
+    partition: str
+    arena_id: bytes
+    size: int
+    fd: int
+
+
+class _Arena:
+    """A memfd of ``size`` bytes, mapped read-write here; sealed against resizing."""
+
+    def __init__(self, partition: str, size: int, number: int) -> None:
+        self.partition = partition
+        self.arena_id = secrets.token_bytes(16)
+        self.fd = os.memfd_create(f"kvstore-arena-{number}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.reader_fd = -1
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            # A read-only open of the same file, for clients; then mode 0400, so that another
+            # user holding it cannot reopen it writable through /proc.
+            self.reader_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            os.fchmod(self.fd, 0o400)
+            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED)
+        except BaseException:
+            self.close()
+            raise
+        self.bytes: Bytes = np.frombuffer(self.map, dtype=np.uint8)
+
+    def handle(self) -> ArenaHandle:
+        return ArenaHandle(self.partition, self.arena_id, len(self.map), self.reader_fd)
+
+    def punch(self, start: int, length: int) -> None:
+        """Gives the pages of ``[start, start + length)`` back to the system (reads: zeros)."""
+        try:
+            self.map.madvise(mmap.MADV_REMOVE, start, length)
+        except OSError as error:  # the memory stays held; nothing reads it
+            logger.warning("arena %s: cannot release %d bytes: %s", self.partition, length, error)
+
+    def close(self) -> None:
+        if getattr(self, "map", None) is not None:
+            self.bytes = np.empty(0, dtype=np.uint8)
+            try:
+                self.map.close()
+            except BufferError:
+                logger.warning(
+                    "arena %s: views still alive; unmapped when released", self.partition
+                )
+        for fd in (self.fd, self.reader_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.reader_fd = -1
+
+
+class _Residency:
+    """Byte ranges that were freed but whose pages an arena still holds: ``[start, end)`` ->
+    the arena holding them. Ranges never overlap (a range has one owner at a time)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._end: dict[int, int] = {}
+        self._owner: dict[int, _Arena] = {}
+        self._start_by_end: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def left(self, start: int, end: int, arena: _Arena) -> None:
+        """``arena`` freed ``[start, end)`` but keeps its pages."""
+        before = self._start_by_end.get(start)
+        if before is not None and self._owner[before] is arena:
+            self._remove(before)
+            start = before
+        if end in self._end and self._owner[end] is arena:
+            after = self._end[end]
+            self._remove(end)
+            end = after
+        self._add(start, end, arena)
+
+    def claim(self, start: int, end: int, arena: _Arena) -> list[tuple[_Arena, int, int]]:
+        """``arena`` takes ``[start, end)``; returns the parts other arenas still hold."""
+        others: list[tuple[_Arena, int, int]] = []
+        index = max(0, bisect.bisect_right(self._starts, start) - 1)
+        while index < len(self._starts) and self._starts[index] < end:
+            s = self._starts[index]
+            e, owner = self._end[s], self._owner[s]
+            if e <= start:
+                index += 1
+                continue
+            self._remove(s)
+            if s < start:
+                self._add(s, start, owner)
+                index += 1
+            if e > end:
+                self._add(end, e, owner)
+            if owner is not arena:
+                others.append((owner, max(s, start), min(e, end)))
+        return others
+
+    def _add(self, start: int, end: int, arena: _Arena) -> None:
+        bisect.insort(self._starts, start)
+        self._end[start] = end
+        self._owner[start] = arena
+        self._start_by_end[end] = start
+
+    def _remove(self, start: int) -> None:
+        del self._starts[bisect.bisect_left(self._starts, start)]
+        del self._start_by_end[self._end.pop(start)]
+        del self._owner[start]
+
+
 class HostTier:
-    """A :class:`~kvstore.tiers.base.Tier` in a shared-memory arena file.
+    """A :class:`~kvstore.tiers.base.Tier` in shared-memory arenas, one per partition.
 
     Args:
-        capacity_bytes: Size of the arena file and mapping.
-        directory: Where the arena file lives; a tmpfs (``/dev/shm``) keeps it in memory.
+        capacity_bytes: Bytes of blobs the tier holds, all partitions together; also the
+            size of each arena file (memory is only used where blobs are).
         name: Name of the tier in logs and errors.
         page_bytes: Allocation granule, a power of two; slots start on page boundaries.
-        preallocate: Reserve every page of the file at ``start()``.
+        partition_of: A key's partition; by default every key is in partition ``""``. It may
+            also be set as the attribute of that name before the first put.
 
     Raises:
         ValueError: A bad argument, named with its value.
@@ -106,10 +236,9 @@ class HostTier:
         self,
         capacity_bytes: int,
         *,
-        directory: str | Path = "/dev/shm",
         name: str = "host",
         page_bytes: int = 4096,
-        preallocate: bool = True,
+        partition_of: Callable[[bytes], str] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -117,15 +246,14 @@ class HostTier:
         self.name = name
         self._capacity = capacity_bytes
         self._page_bytes = page_bytes
-        self._directory = Path(directory)
-        self._preallocate = preallocate
-        self._path: Path | None = None
-        self._fd = -1
-        self._mmap: mmap.mmap | None = None
-        self._arena: torch.Tensor | None = None  # [capacity_bytes] uint8 over the mapping
+        self.partition_of: Callable[[bytes], str] = partition_of or (lambda _key: "")
+        self._arenas: dict[str, _Arena] = {}
+        self._started = False
         self._closed = False
         self._committed: dict[bytes, Slot] = {}
         self._pending: dict[bytes, Slot] = {}
+        self._owner: dict[int, _Arena] = {}  # slot offset -> the arena of every live slot
+        self._resident = _Residency()
         self._pins: dict[int, int] = {}  # slot offset -> pin count
         self._released: dict[int, Slot] = {}  # pinned slots let go of; freed at the last unpin
         self._inflight = 0
@@ -135,39 +263,25 @@ class HostTier:
     # Lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Creates, sizes and maps the arena file; a second call does nothing.
+        """Opens the tier; arenas are created on first use. A second call does nothing.
 
         Raises:
             TierClosedError: The tier was closed; tiers do not restart.
-            OSError: The file cannot be created or its pages reserved.
         """
         if self._closed:
             raise TierClosedError(f"{self.name}: a closed tier cannot be restarted")
-        if self._mmap is not None:
-            return
-        path = self._directory / f"kvstore-{os.getpid()}-{secrets.token_hex(8)}.arena"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, self._capacity)
-            if self._preallocate:
-                await _run_to_completion(functools.partial(_reserve_pages, fd, self._capacity))
-            self._mmap = mmap.mmap(fd, self._capacity, mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        self._fd, self._path = fd, path
-        self._arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        logger.info("%s: mapped a %d-byte arena at %s", self.name, self._capacity, path)
+        self._started = True
 
     async def aclose(self) -> None:
-        """Waits for copies in flight, then unmaps the arena and removes its file."""
+        """Waits for copies in flight, then unmaps and closes every arena."""
         if self._closed:
             return
         self._closed = True
         await self._idle.wait()
-        self._unmap()
+        for arena in self._arenas.values():
+            arena.close()
+        logger.info("%s: closed %d arenas", self.name, len(self._arenas))
+        self._arenas, self._owner = {}, {}
         self._committed, self._pending, self._pins, self._released = {}, {}, {}, {}
         self._allocator = ArenaAllocator(self._capacity, page_bytes=self._page_bytes)
 
@@ -193,16 +307,19 @@ class HostTier:
         """
         key = self._open_key(key)
         source = _byte_view(data)
-        slot = self._allocate(source.nbytes)
+        slot = self._allocate(key, source.nbytes)
         if slot is None:
             return False
         try:
-            await self._write(slot.offset, source)
+            await self._write(slot, source)
             self._require_open()
         except BaseException:
             self._release(slot)
             raise
-        self._install(key, slot)
+        old = self._committed.get(key)
+        self._committed[key] = slot
+        if old is not None:
+            self._release(old)
         return True
 
     async def get(self, key: bytes) -> bytes | None:
@@ -277,7 +394,7 @@ class HostTier:
         return self._allocator.used_bytes
 
     def capacity(self) -> int:
-        """The arena's size in bytes."""
+        """The tier's size in bytes, all partitions together."""
         return self._capacity
 
     def healthy(self) -> bool:
@@ -286,21 +403,22 @@ class HostTier:
 
     # Data plane -----------------------------------------------------------------------------
 
-    @property
-    def arena_path(self) -> Path:
-        """The arena file, for other processes to map.
+    def slot_bytes(self, length: int) -> int:
+        """The space a blob of ``length`` bytes takes (whole pages)."""
+        return self._allocator.slot_bytes(length)
+
+    def fits(self, length: int) -> bool:
+        """Whether a blob of ``length`` bytes can ever fit (with the tier empty)."""
+        return self._allocator.slot_bytes(length) <= self._allocator.capacity_bytes
+
+    def arena(self, partition: str) -> ArenaHandle:
+        """The arena of ``partition`` (created now if it has none yet), for clients to map.
 
         Raises:
             TierClosedError: The tier is not started, or closed.
         """
         self._require_open()
-        assert self._path is not None
-        return self._path
-
-    @property
-    def arena_bytes(self) -> int:
-        """Size of the arena file and of its mapping."""
-        return self._capacity
+        return self._arena(partition).handle()
 
     def reserve(self, key: bytes, length: int) -> Slot | None:
         """Holds space for a blob of ``length`` bytes, invisible until :meth:`commit`.
@@ -316,7 +434,7 @@ class HostTier:
         key = self._open_key(key)
         if key in self._pending:
             raise ReservationExistsError(f"{self.name}: key {key.hex()} is already reserved")
-        slot = self._allocate(length)
+        slot = self._allocate(key, length)
         if slot is not None:
             self._pending[key] = slot
         return slot
@@ -324,16 +442,17 @@ class HostTier:
     def commit(self, key: bytes) -> Slot:
         """Makes the pending reservation of ``key`` its visible blob.
 
-        An older committed blob of ``key`` is released (freed once no reader pins it).
-
         Raises:
             ReservationNotFoundError: ``key`` has no pending reservation.
+            SlotExistsError: ``key`` is committed already (the reservation stays pending).
         """
         key = self._open_key(key)
+        if key in self._committed:
+            raise SlotExistsError(f"{self.name}: key {key.hex()} is already committed")
         slot = self._pending.pop(key, None)
         if slot is None:
             raise ReservationNotFoundError(f"{self.name}: key {key.hex()} is not reserved")
-        self._install(key, slot)
+        self._committed[key] = slot
         return slot
 
     def abort(self, key: bytes) -> bool:
@@ -346,7 +465,7 @@ class HostTier:
         return True
 
     def locate(self, key: bytes) -> Slot | None:
-        """The committed slot of ``key``, or ``None``. Pin it to read it in place safely."""
+        """The committed slot of ``key``, or ``None``. Pin it to use it outside the tier."""
         key = self._open_key(key)
         return self._committed.get(key)
 
@@ -368,20 +487,24 @@ class HostTier:
             raise InvalidSlotError(f"{self.name}: slot at offset {slot.offset} is not pinned")
         self._unpin(slot)
 
+    def pinned(self, slot: Slot) -> int:
+        """How many pins hold ``slot``."""
+        return self._pins.get(slot.offset, 0)
+
     def view(self, slot: Slot) -> memoryview:
-        """A writable view of the slot's bytes in the arena.
+        """A writable view of a live slot's bytes in its arena.
 
         Release it (``view.release()`` or ``with``) before :meth:`aclose`; a view still alive
         then keeps the mapping until it is garbage collected.
 
         Raises:
-            InvalidSlotError: The slot lies outside the arena.
+            InvalidSlotError: The slot is not live, or lies outside the arena.
         """
         self._require_open()
-        assert self._mmap is not None
-        if slot.offset < 0 or slot.length < 0 or slot.end > self._capacity:
-            raise InvalidSlotError(f"{self.name}: {slot} is outside the arena")
-        with memoryview(self._mmap) as whole:
+        arena = self._owner.get(slot.offset)
+        if arena is None or slot.length < 0 or slot.end > self._capacity:
+            raise InvalidSlotError(f"{self.name}: {slot} is not a live slot of the arena")
+        with memoryview(arena.map) as whole:
             return whole[slot.offset : slot.end]
 
     # Internals ------------------------------------------------------------------------------
@@ -394,23 +517,32 @@ class HostTier:
     def _require_open(self) -> None:
         if self._closed:
             raise TierClosedError(f"{self.name}: tier is closed")
-        if self._mmap is None:
+        if not self._started:
             raise TierClosedError(f"{self.name}: tier is not started")
 
-    def _allocate(self, length: int) -> Slot | None:
+    def _arena(self, partition: str) -> _Arena:
+        arena = self._arenas.get(partition)
+        if arena is None:
+            arena = self._arenas[partition] = _Arena(partition, self._capacity, len(self._arenas))
+            logger.info("%s: new %d-byte arena #%d", self.name, self._capacity, len(self._arenas))
+        return arena
+
+    def _allocate(self, key: bytes, length: int) -> Slot | None:
         if length < 0:
             raise InvalidRangeError(f"length must be non-negative, got {length}")
-        if self._allocator.slot_bytes(length) > self._allocator.capacity_bytes:
+        if not self.fits(length):
             raise BlobTooLargeError(
                 f"{self.name}: a blob of {length} bytes cannot fit in {self._capacity} bytes"
             )
-        return self._allocator.allocate(length)
-
-    def _install(self, key: bytes, slot: Slot) -> None:
-        old = self._committed.get(key)
-        self._committed[key] = slot
-        if old is not None:
-            self._release(old)
+        arena = self._arena(self.partition_of(key))
+        slot = self._allocator.allocate(length)
+        if slot is None:
+            return None
+        end = slot.offset + self._allocator.slot_bytes(length)
+        for other, start, stop in self._resident.claim(slot.offset, end, arena):
+            other.punch(start, stop - start)
+        self._owner[slot.offset] = arena
+        return slot
 
     def _release(self, slot: Slot) -> None:
         if self._closed:
@@ -418,7 +550,13 @@ class HostTier:
         if slot.offset in self._pins:
             self._released[slot.offset] = slot
         else:
-            self._allocator.free(slot)
+            self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
+        arena = self._owner.pop(slot.offset)
+        self._allocator.free(slot)
+        end = slot.offset + self._allocator.slot_bytes(slot.length)
+        self._resident.left(slot.offset, end, arena)
 
     def _pin(self, slot: Slot) -> None:
         self._pins[slot.offset] = self._pins.get(slot.offset, 0) + 1
@@ -430,63 +568,50 @@ class HostTier:
             return
         released = self._released.pop(slot.offset, None)
         if released is not None and not self._closed:
-            self._allocator.free(released)
+            self._free(released)
 
     async def _read_pinned(self, slot: Slot, start: int, stop: int) -> bytes:
-        assert self._mmap is not None
+        arena = self._owner[slot.offset]
         offset, length = slot.offset + start, stop - start
         if length < COPY_IN_THREAD_BYTES:
-            return self._mmap[offset : offset + length]  # no await: nothing can intervene
+            return arena.map[offset : offset + length]  # no await: nothing can intervene
         self._pin(slot)
         try:
-            return await self._in_thread(_pread_exactly, self._fd, offset, length)
+            return await self._in_thread(_pread_exactly, arena.fd, offset, length)
         finally:
             self._unpin(slot)
 
     async def _read_pinned_into(self, slot: Slot, target: memoryview) -> None:
-        assert self._mmap is not None and self._arena is not None
+        arena = self._owner[slot.offset]
         if slot.length < COPY_IN_THREAD_BYTES:
-            with memoryview(self._mmap) as whole:
+            with memoryview(arena.map) as whole:
                 target[:] = whole[slot.offset : slot.end]
             return
         self._pin(slot)
         try:
-            await self._in_thread(_copy_out_of, self._arena, slot.offset, target)
+            source = arena.bytes[slot.offset : slot.end]
+            await self._in_thread(np.copyto, np.frombuffer(target, dtype=np.uint8), source)
         finally:
             self._unpin(slot)
 
-    async def _write(self, offset: int, source: memoryview) -> None:
-        assert self._mmap is not None and self._arena is not None
+    async def _write(self, slot: Slot, source: memoryview) -> None:
+        arena = self._owner[slot.offset]
         if source.nbytes < COPY_IN_THREAD_BYTES:
-            self._mmap[offset : offset + source.nbytes] = source
+            arena.map[slot.offset : slot.offset + source.nbytes] = source
         else:
-            await self._in_thread(_copy_into, self._arena, offset, source)
+            target = arena.bytes[slot.offset : slot.offset + source.nbytes]
+            await self._in_thread(np.copyto, target, np.frombuffer(source, dtype=np.uint8))
 
     async def _in_thread(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Runs a copy in a worker thread; ``aclose`` waits until every such copy is done."""
         self._inflight += 1
         self._idle.clear()
         try:
-            return await _run_to_completion(functools.partial(fn, *args, **kwargs))
+            return await run_to_completion(functools.partial(fn, *args, **kwargs))
         finally:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-
-    def _unmap(self) -> None:
-        self._arena = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                logger.warning("%s: arena views still alive; unmapped when released", self.name)
-            self._mmap = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._path is not None:
-            self._path.unlink(missing_ok=True)
-            logger.info("%s: removed arena %s", self.name, self._path)
 
 
 def _byte_view(data: Buffer) -> memoryview:
@@ -505,37 +630,6 @@ def _writable_view(out: bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _reserve_pages(fd: int, length: int) -> None:
-    """Allocates every page of the file now, so that a full tmpfs fails here, not as SIGBUS."""
-    try:
-        os.posix_fallocate(fd, 0, length)
-    except OSError as error:
-        raise OSError(error.errno, f"cannot reserve {length} arena bytes: {error}") from error
-
-
-# Copies in worker threads are one plain memmove, which drops the GIL. Not torch ``copy_``:
-# its intra-op threads form one OpenMP team per calling thread, so a pool of worker threads
-# keeps several teams to wake; on a busy 2-core machine that made 2 MiB copies over 10x
-# slower, and 32 MiB ones no faster.
-
-
-def _copy_into(arena: torch.Tensor, offset: int, source: memoryview) -> None:
-    """Copies ``source`` into ``arena`` at ``offset``."""
-    _memmove(arena[offset : offset + source.nbytes], torch.frombuffer(source, dtype=torch.uint8))
-
-
-def _copy_out_of(arena: torch.Tensor, offset: int, target: memoryview) -> None:
-    """Copies ``target.nbytes`` arena bytes from ``offset`` into ``target``."""
-    _memmove(torch.frombuffer(target, dtype=torch.uint8), arena[offset : offset + target.nbytes])
-
-
-def _memmove(target: torch.Tensor, source: torch.Tensor) -> None:
-    """Copies between two contiguous uint8 tensors of one length, without the GIL."""
-    if target.numel() != source.numel():
-        raise ValueError(f"copy of {source.numel()} bytes into {target.numel()} bytes")
-    ctypes.memmove(target.data_ptr(), source.data_ptr(), source.numel())
-
-
 def _pread_exactly(fd: int, offset: int, length: int) -> bytes:
     """Reads ``length`` bytes at ``offset``; one read stops at about 2 GiB."""
     parts = [os.pread(fd, length, offset)]
@@ -548,7 +642,7 @@ def _pread_exactly(fd: int, offset: int, length: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-async def _run_to_completion(call: Callable[[], T]) -> T:
+async def run_to_completion(call: Callable[[], T]) -> T:
     """Runs ``call`` in a worker thread. A cancelled caller still waits for the thread to
     finish, so the buffers it reads and writes stay valid and reserved until then."""
     future = asyncio.get_running_loop().run_in_executor(None, call)

@@ -3,8 +3,7 @@
 :class:`TierSetup` names one configuration of the store (host, SSD and Redis capacities,
 eviction policy, and how many queued sessions the chat server names in prefetch hints).
 :func:`running_store` starts ``python -m kvstore serve`` on it in a scratch directory (the
-host arena in ``/dev/shm`` when there is one, the SSD tier under the given parent, the
-socket in a short temporary directory, a private
+SSD tier under the given parent, the socket in a short temporary directory, a private
 ``redis-server`` on a free port when Redis is on), waits until it answers, and yields a
 :class:`StoreProcess`; on exit it stops both and removes their files. ``peak_rss_bytes``
 reads the daemon's high-water resident set (arena pages it touched included).
@@ -58,11 +57,11 @@ class TierSetup:
         return ", ".join(f"{tier} {_size(size)}" for tier, size in sizes.items() if size)
 
     def sections(
-        self, scratch: Path, arena: Path, socket_path: Path, redis_url: str | None
+        self, scratch: Path, socket_path: Path, redis_url: str | None
     ) -> dict[str, dict[str, object]]:
         """The daemon's configuration as TOML sections."""
         return {
-            "host": {"capacity": self.host_bytes, "directory": str(arena)},
+            "host": {"capacity": self.host_bytes},
             "ssd": {
                 "enabled": self.ssd_bytes is not None,
                 "capacity": self.ssd_bytes or 64 * MIB,
@@ -108,15 +107,12 @@ def running_store(setup: TierSetup, scratch_parent: Path | None = None) -> Itera
         cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
         sockets = Path(tempfile.mkdtemp(prefix="kvs-"))  # a socket path must stay short
         cleanup.callback(shutil.rmtree, sockets, ignore_errors=True)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        arena = Path(tempfile.mkdtemp(prefix="kvs-chat-", dir=shm))
-        cleanup.callback(shutil.rmtree, arena, ignore_errors=True)
         redis_url = None
         if setup.redis_bytes:
             redis_url = cleanup.enter_context(_redis_server(scratch, setup.redis_bytes))
         config = scratch / "kvstore.toml"
         socket_path = sockets / "kvstore.sock"
-        config.write_text(_toml(setup.sections(scratch, arena, socket_path, redis_url)))
+        config.write_text(_toml(setup.sections(scratch, socket_path, redis_url)))
         load_config(config)  # a bad setup fails here, with the key named
         command = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
         proc = cleanup.enter_context(_child([*command, "--log-level", "warning"], scratch))

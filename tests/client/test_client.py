@@ -195,7 +195,7 @@ async def test_stats_health_and_handshake(client: AsyncKVStoreClient) -> None:
     assert await client.health() is True
     info = client.server_info
     assert info.chunk_bytes == 64 * 2**10
-    assert info.arena_bytes == 32 * 2**20
+    assert info.shm_socket.endswith(".sock.shm") and len(info.instance_id) == 16
     assert "shm" in repr(client)
 
 

@@ -201,7 +201,7 @@ async def test_a_restarted_daemon_is_met_transparently(
     with running_daemon(tmp_path) as daemon:
         async with AsyncKVStoreClient(daemon.address, use_shm=use_shm) as client:
             await client.put(namespace, keys, blocks)
-            arena = client.server_info.arena_path
+            instance = client.server_info.instance_id
 
             daemon.restart(graceful=graceful)  # a new process: namespaces and arena are new
 
@@ -209,7 +209,7 @@ async def test_a_restarted_daemon_is_met_transparently(
             held = 3 if graceful else 0
             assert await client.lookup(namespace, keys) == held
             assert await client.get(namespace, keys) == blocks[:held]
-            assert client.server_info.arena_path != arena
+            assert client.server_info.instance_id != instance
             assert client.data_plane == ("shm" if use_shm else "stream")
             statuses = await client.put(namespace, keys, blocks)
             assert statuses == [WriteStatus.DEDUP if graceful else WriteStatus.STORED] * 3
@@ -223,19 +223,19 @@ async def test_after_a_restart_slots_are_never_read_from_the_old_arena(tmp_path:
     with running_daemon(tmp_path, ssd_capacity=None) as daemon:
         async with AsyncKVStoreClient(daemon.address) as idle:
             await idle.put(namespace, keys, blocks)
-            old_arena = idle.server_info.arena_path
+            old = idle.server_info.instance_id
             daemon.restart()
             # Another client registers the namespace first and fills the new arena so that
             # the same keys land at other offsets: the idle client never sees NOT_FOUND.
             async with AsyncKVStoreClient(daemon.address) as fresh:
                 await fresh.put(namespace, others, other_blocks)
                 await fresh.put(namespace, keys, blocks)
-                assert fresh.server_info.arena_path != old_arena
+                assert fresh.server_info.instance_id != old
 
             assert await idle.get(namespace, keys) == blocks
             async with idle.view(namespace, keys) as views:
                 assert [bytes(view) for view in views] == blocks
-            assert idle.server_info.arena_path != old_arena
+            assert idle.server_info.instance_id != old
 
 
 async def test_a_stopped_daemon_is_unavailable_and_health_says_so(tmp_path: Path) -> None:

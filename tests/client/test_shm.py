@@ -1,96 +1,137 @@
-"""Mapping the daemon's arena, checked against files made here (no daemon needed)."""
+"""The client's shared memory, on memory files made here (no daemon needed): the read-only
+arena, the writable staging area, copies, views, checksums and the staging budget."""
 
 from __future__ import annotations
 
+import asyncio
+import mmap
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvstore.client.shm import COPY_IN_THREAD_BYTES, Arena, as_bytes, check_payloads
+from kvstore.blocks import payload_checksum
+from kvstore.client.errors import CorruptBlockError
+from kvstore.client.shm import (
+    COPY_IN_THREAD_BYTES,
+    Arena,
+    Staging,
+    StagingBudget,
+    as_bytes,
+    check_payloads,
+)
 
-ARENA_BYTES = 8 * COPY_IN_THREAD_BYTES
+AREA_BYTES = 8 * COPY_IN_THREAD_BYTES
 
 
-def make_file(path: Path, size: int = ARENA_BYTES) -> tuple[str, int, int, int]:
-    path.write_bytes(b"\0" * size)
-    found = path.stat()
-    return str(path), size, found.st_dev, found.st_ino
+def memfd(size: int = AREA_BYTES) -> int:
+    fd = os.memfd_create("test-area", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def read_only(fd: int) -> int:
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 @pytest.fixture
-async def arena(tmp_path: Path) -> Arena:
-    mapped = Arena.open(*make_file(tmp_path / "arena"))
-    assert mapped is not None
-    yield mapped
-    await mapped.aclose()
-
-
-def test_the_arena_is_mapped_only_when_it_is_the_announced_file(tmp_path: Path) -> None:
-    path, size, device, inode = make_file(tmp_path / "arena")
-    other = make_file(tmp_path / "other")
-
-    assert Arena.open(path, size, device, other[3]) is None  # another inode
-    assert Arena.open(path, size + 4096, device, inode) is None  # another size
-    assert Arena.open(path, size, device + 1, inode) is None  # another device
-    assert Arena.open(str(tmp_path / "missing"), size, device, inode) is None
-    assert Arena.open("", 0, 0, 0) is None  # the daemon has no host tier
-    os.chmod(path, 0o400)
-    if os.geteuid() != 0:  # root opens read-only files for writing anyway
-        assert Arena.open(path, size, device, inode) is None
-    os.chmod(path, 0o600)
-    mapped = Arena.open(path, size, device, inode)
-    assert mapped is not None
-    mapped.close()
+async def areas() -> tuple[Arena, Staging, mmap.mmap]:
+    """An arena (read-only here), a staging area, and the arena as the daemon maps it."""
+    arena_fd = memfd()
+    daemon = mmap.mmap(arena_fd, AREA_BYTES)
+    arena = Arena(read_only(arena_fd), AREA_BYTES, b"a" * 16)
+    os.close(arena_fd)
+    staging = Staging(memfd(), AREA_BYTES)
+    yield arena, staging, daemon
+    await arena.aclose()
+    await staging.aclose()
+    daemon.close()
 
 
 @pytest.mark.parametrize("length", [4096, 3 * COPY_IN_THREAD_BYTES])  # inline and threaded
-async def test_copies_in_and_out_are_bit_exact(arena: Arena, length: int) -> None:
+async def test_copies_in_and_out_are_bit_exact(areas, length: int) -> None:
+    arena, staging, daemon = areas
     data = os.urandom(length)
     tensor = torch.randint(-(2**15), 2**15, (length // 2,), dtype=torch.int16)
+    await staging.copy_in([(0, length), (length, length)], [data, tensor])
+    assert bytes(staging.view(0, length)) == data
+    daemon[0:length] = data  # what the daemon's commit copies into the arena
+    daemon[length : 2 * length] = bytes(staging.view(length, length))
 
-    await arena.copy_in([(0, length)], [data])
     assert await arena.read([(0, length)]) == [data]
     out = bytearray(length)
     await arena.copy_out([(0, length)], [out])
     assert out == data
-
-    await arena.copy_in([(length, length)], [tensor])
     received = torch.empty_like(tensor)
     await arena.copy_out([(length, length)], [received])
     assert torch.equal(received, tensor)
+    assert await staging.checksums([(0, length)]) == [payload_checksum(data)]
 
 
-async def test_views_are_read_only_and_tensors_share_memory(arena: Arena) -> None:
-    await arena.copy_in([(8192, 4)], [b"kvkv"])
-
+async def test_the_arena_cannot_be_written_from_here(areas) -> None:
+    arena, _, daemon = areas
+    daemon[8192:8196] = b"kvkv"
     view = arena.view(8192, 4)
     assert view.readonly and bytes(view) == b"kvkv"
     assert bytes(arena.tensor(8192, 4).numpy()) == b"kvkv"
     with pytest.raises(TypeError):
         view[0] = 0
     view.release()
+    with pytest.raises(TypeError, match="readonly"):
+        arena._open_map()[0:1] = b"x"  # the mapping itself is read-only
+    fd = arena._fd
+    with pytest.raises(PermissionError):
+        mmap.mmap(fd, AREA_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(OSError):
+        os.write(fd, b"x")
 
 
-def test_slots_outside_the_arena_are_refused(arena: Arena) -> None:
-    for offset, length in [(-1, 4), (ARENA_BYTES - 2, 4), (0, ARENA_BYTES + 1)]:
-        with pytest.raises(ValueError, match="outside"):
-            arena.view(offset, length)
+async def test_verify_names_the_block_that_does_not_match(areas) -> None:
+    arena, _, daemon = areas
+    daemon[0:4096] = b"\x01" * 4096
+    good = payload_checksum(b"\x01" * 4096)
+    await arena.verify([(0, 4096)], [good], "Acquire")
+    with pytest.raises(CorruptBlockError, match="block 1 does not match"):
+        await arena.verify([(0, 4096), (0, 4096)], [good, good ^ 1], "Acquire")
 
 
-async def test_closing_with_a_live_view_keeps_the_mapping_until_released(tmp_path: Path) -> None:
-    mapped = Arena.open(*make_file(tmp_path / "arena"))
-    assert mapped is not None
-    await mapped.copy_in([(0, 3)], [b"abc"])
-    view = mapped.view(0, 3)
+def test_slots_outside_the_areas_are_refused(areas) -> None:
+    arena, staging, _ = areas
+    for area in (arena, staging):
+        for offset, length in [(-1, 4), (AREA_BYTES - 2, 4), (0, AREA_BYTES + 1)]:
+            with pytest.raises(ValueError, match="outside"):
+                area.view(offset, length)
 
-    mapped.close()
+
+async def test_closing_with_a_live_view_keeps_the_mapping_until_released() -> None:
+    staging = Staging(memfd(), AREA_BYTES)
+    await staging.copy_in([(0, 3)], [b"abc"])
+    view = staging.view(0, 3)
+
+    staging.close()
 
     assert bytes(view) == b"abc"  # still mapped
     view.release()
     with pytest.raises(ValueError, match="closed"):
-        mapped.view(0, 3)
+        staging.view(0, 3)
+
+
+async def test_the_staging_budget_holds_puts_back_until_bytes_are_free() -> None:
+    budget = StagingBudget(4 * 4096, page=4096)
+    assert budget.slot_bytes(1) == 4096 and budget.slot_bytes(4097) == 8192
+    order: list[str] = []
+
+    async def put(name: str, nbytes: int, hold: float) -> None:
+        async with budget.hold(nbytes):
+            order.append(f"{name}+")
+            await asyncio.sleep(hold)
+            order.append(f"{name}-")
+
+    await asyncio.gather(put("a", 3 * 4096, 0.05), put("b", 2 * 4096, 0.0))
+    assert order == ["a+", "a-", "b+", "b-"]  # b waited until a gave its bytes back
+    with pytest.raises(ValueError, match="cannot fit"):
+        async with budget.hold(5 * 4096):
+            pass
 
 
 def test_payload_checks_name_the_index_and_the_sizes() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 
 import pytest
 import torch
@@ -98,11 +98,10 @@ def test_write_statuses_must_be_final_and_one_per_block() -> None:
         wire.write_statuses([pb.RESERVED], 1)
 
 
-def test_slots_are_checked_against_the_arena_and_the_block_size(tmp_path: Path) -> None:
-    path = tmp_path / "arena"
-    path.write_bytes(bytes(1 << 16))
-    arena = Arena.open(str(path), 1 << 16, path.stat().st_dev, path.stat().st_ino)
-    assert arena is not None
+def test_slots_are_checked_against_the_arena_and_the_block_size() -> None:
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, 1 << 16)
+    arena = Arena(fd, 1 << 16, b"a" * 16)
     try:
         good = pb.Slot(offset=4096, length=1024)
         assert wire.check_slots([good], 2, 1024, arena) == [(4096, 1024)]
@@ -112,6 +111,9 @@ def test_slots_are_checked_against_the_arena_and_the_block_size(tmp_path: Path) 
             wire.check_slots([pb.Slot(offset=1 << 16, length=1024)], 1, 1024, arena)
         with pytest.raises(ProtocolError, match="2 slots for 1 keys"):
             wire.check_slots([good, good], 1, 1024, arena)
+        assert wire.check_checksums([7, 8], 2) == (7, 8)
+        with pytest.raises(ProtocolError, match="1 checksums for 2 slots"):
+            wire.check_checksums([7], 2)
 
         reply = pb.ReserveResponse(
             reservations=[
@@ -135,7 +137,7 @@ def test_stats_and_server_info_become_plain_values() -> None:
     assert stats.tiers[0].name == "host" and stats.tiers[0].healthy
     assert (stats.blocks, stats.lookups, stats.puts) == (3, 7, 0)
     info = wire.server_info(pb.HandshakeResponse(server_version="1", chunk_bytes=5))
-    assert (info.server_version, info.chunk_bytes, info.arena_path) == ("1", 5, "")
+    assert (info.server_version, info.chunk_bytes, info.shm_socket) == ("1", 5, "")
 
 
 def test_namespaces_are_hashable_cache_keys() -> None:

@@ -1,15 +1,17 @@
-"""The shared-memory data plane in-process: reserve/commit/abort, acquire, expiry, namespaces."""
+"""The shared-memory data plane in-process: reserve/commit/abort, acquire, expiry, namespaces,
+and the races of promotion into a full arena."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import mmap
 from pathlib import Path
 
 import pytest
 
-from kvstore.blocks import ROOT_KEY, BlockLayout, Codec
-from kvstore.errors import InvalidBlockError, NoArenaError
+from kvstore.blocks import ROOT_KEY, BlockLayout, Codec, payload_checksum
+from kvstore.errors import InvalidBlockError, NoArenaError, UnknownLeaseError
 from kvstore.index import BlockMeta
 from kvstore.policies import LruPolicy, write_policy
 from kvstore.store import BlockStore, PutStatus, StoreTier
@@ -34,7 +36,7 @@ def blocks(name: str, count: int) -> list[tuple[bytes, bytes, bytes]]:
 def make_store(tmp_path: Path, host_blocks: int = 4, ssd: bool = True) -> BlockStore:
     tiers = [
         StoreTier(
-            HostTier(host_blocks * BLOCK, directory=tmp_path),
+            HostTier(host_blocks * BLOCK),
             None,
             write_policy("write_through", 1),
         )
@@ -46,44 +48,43 @@ def make_store(tmp_path: Path, host_blocks: int = 4, ssd: bool = True) -> BlockS
 
 
 class Arena:
-    """The arena as a client process sees it: the file mapped by path."""
+    """A tenant's arena as a client process sees it: the read-only descriptor, mapped."""
 
-    def __init__(self, path: str, size: int) -> None:
-        self._file = open(path, "r+b")  # noqa: SIM115
-        self.map = mmap.mmap(self._file.fileno(), size)
-
-    def write(self, offset: int, data: bytes) -> None:
-        self.map[offset : offset + len(data)] = data
+    def __init__(self, store: BlockStore, partition: str = "") -> None:
+        handle = store.arena(partition)
+        assert handle is not None
+        self.map = mmap.mmap(handle.fd, handle.size, mmap.MAP_SHARED, mmap.PROT_READ)
 
     def read(self, offset: int, length: int) -> bytes:
         return self.map[offset : offset + length]
 
     def close(self) -> None:
         self.map.close()
-        self._file.close()
 
 
 async def test_reserve_write_commit_then_acquire_reads_in_place(tmp_path: Path) -> None:
     async with make_store(tmp_path) as store:
-        info = store.arena()
-        assert info is not None and info.size == 4 * BLOCK
-        arena = Arena(info.path, info.size)
+        arena = Arena(store)
+        assert len(arena.map) == 4 * BLOCK
         chain = blocks("a", 2)
-        # Step 1: reserve; the block is invisible while the client writes it.
+        # Step 1: reserve; the block is invisible while its bytes are written.
         reserved = [await store.reserve(k, p, BlockMeta(NS_A, 16, LAYOUT)) for k, p, _ in chain]
         assert [r.status for r in reserved] == [PutStatus.RESERVED] * 2
-        assert (await store.lookup([k for k, _, _ in chain])).num_blocks == 0
+        assert (await store.lookup([k for k, _, _ in chain], NS_A)).num_blocks == 0
         for (_, _, payload), r in zip(chain, reserved, strict=True):
             assert r.slot is not None and r.slot.length == BLOCK
-            arena.write(r.slot.offset, payload)
+            with store.reserved_view(r.slot) as slot:
+                slot[:] = payload
         # Step 2: commit makes them visible; a second commit finds no reservation.
-        assert [await store.commit(k) for k, _, _ in chain] == [PutStatus.STORED] * 2
-        assert await store.commit(chain[0][0]) is PutStatus.EXPIRED
+        assert [await store.commit(k, NS_A) for k, _, _ in chain] == [PutStatus.STORED] * 2
+        assert await store.commit(chain[0][0], NS_A) is PutStatus.EXPIRED
         assert (await store.lookup([k for k, _, _ in chain], NS_A)).num_blocks == 2
         # Step 3: acquire returns slots under a lease; bytes read in place are exact.
         acquired = await store.acquire([k for k, _, _ in chain], NS_A)
         assert acquired.lease.num_blocks == 2
+        assert acquired.arena_id == store.arena("").arena_id
         assert [arena.read(s.offset, s.length) for s in acquired.slots] == [p for _, _, p in chain]
+        assert acquired.checksums == tuple(payload_checksum(p) for _, _, p in chain)
         assert store.stats().active_leases == 1
         await store.release(acquired.lease.lease_id)
         # Reserving a held key is a dedup, no space used.
@@ -102,11 +103,11 @@ async def test_abandoned_reservations_expire_and_free_space(tmp_path: Path) -> N
         # The writer died: at expiry the space comes back and the block never appears.
         await store.maintain(now=10**9)
         assert host.usage() == 0 and store.stats().active_reservations == 0
-        assert await store.commit(key) is PutStatus.EXPIRED
-        assert (await store.lookup([key])).num_blocks == 0
+        assert await store.commit(key, NS_A) is PutStatus.EXPIRED
+        assert (await store.lookup([key], NS_A)).num_blocks == 0
         # An explicit abort works the same way.
         await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
-        assert await store.abort(key) is True and await store.abort(key) is False
+        assert await store.abort(key, NS_A) is True and await store.abort(key, NS_A) is False
         assert host.usage() == 0
 
 
@@ -116,7 +117,7 @@ async def test_acquire_promotes_from_ssd_and_stops_at_other_namespaces(tmp_path:
         for key, parent, payload in chain:
             await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
         keys = [k for k, _, _ in chain]
-        assert (await store.lookup(keys)).tiers == ("ssd", "ssd", "host", "host")
+        assert (await store.lookup(keys, NS_A)).tiers == ("ssd", "ssd", "host", "host")
         # Tenant B's namespace sees nothing of tenant A's chain.
         assert (await store.lookup(keys, NS_B)).num_blocks == 0
         denied = await store.acquire(keys, NS_B)
@@ -127,8 +128,7 @@ async def test_acquire_promotes_from_ssd_and_stops_at_other_namespaces(tmp_path:
         # The host holds 2 blocks: acquire promotes the first two and stops, leased.
         acquired = await store.acquire(keys, NS_A)
         assert acquired.lease.num_blocks == 2
-        info = store.arena()
-        arena = Arena(info.path, info.size)
+        arena = Arena(store)
         assert [arena.read(s.offset, s.length) for s in acquired.slots] == [
             chain[0][2],
             chain[1][2],
@@ -136,7 +136,7 @@ async def test_acquire_promotes_from_ssd_and_stops_at_other_namespaces(tmp_path:
         assert store.stats().tiers[1].hits == 2
         await store.release(acquired.lease.lease_id)
         assert await store.prefetch(keys[2:], NS_A) == 2
-        assert (await store.lookup(keys)).tiers[2:] == ("host", "host")
+        assert (await store.lookup(keys, NS_A)).tiers[2:] == ("host", "host")
         arena.close()
 
 
@@ -155,6 +155,181 @@ async def test_bad_reservations_and_no_arena(tmp_path: Path) -> None:
         eviction=LruPolicy(),
     )
     async with disk_only:
-        assert disk_only.arena() is None
+        assert disk_only.arena("") is None
         with pytest.raises(NoArenaError, match="needs the host tier"):
-            await disk_only.acquire([b"k" * 32])
+            await disk_only.acquire([b"k" * 32], NS_A)
+
+
+async def fill_host_with_evictable(store: BlockStore, count: int) -> None:
+    for key, parent, payload in blocks("filler", count):
+        assert await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload) in (
+            PutStatus.STORED,
+            PutStatus.DEDUP,
+        )
+
+
+async def test_concurrent_acquires_of_an_ssd_only_block_promote_it_once(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=4) as store:
+        # Step 1: the block lives only on SSD, and the arena is full of evictable blocks.
+        ((key, parent, payload),) = blocks("cold", 1)
+        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
+        await fill_host_with_evictable(store, 5)  # evicts "cold" down to SSD
+        assert (await store.lookup([key], NS_A)).tiers == ("ssd",)
+        host = store.tier("host").tier
+        assert host.usage() == 4 * BLOCK
+        # Step 2: six readers at once. One promotion; every lease points at the same slot.
+        acquired = await asyncio.gather(*(store.acquire([key], NS_A) for _ in range(6)))
+        assert store.stats().promotions == 1
+        assert {a.slots for a in acquired} == {acquired[0].slots}
+        (slot,) = acquired[0].slots
+        assert host.pinned(slot) == 6
+        arena = Arena(store)
+        assert arena.read(slot.offset, slot.length) == payload
+        # Step 3: churn the arena while the leases hold: the slot keeps the block's bytes.
+        await fill_host_with_evictable(store, 12)
+        assert arena.read(slot.offset, slot.length) == payload
+        for one in acquired:
+            await store.release(one.lease.lease_id)
+        assert host.pinned(slot) == 0
+        assert host.usage() <= host.capacity()
+        arena.close()
+
+
+async def test_a_leased_slot_outlives_delete_and_reuse(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=2, ssd=False) as store:
+        ((key, parent, payload),) = blocks("leased", 1)
+        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
+        acquired = await store.acquire([key], NS_A)
+        (slot,) = acquired.slots
+        # Deleted while leased: hidden at once, its slot neither freed nor reused.
+        assert await store.delete(key, NS_A) == 1
+        assert (await store.lookup([key], NS_A)).num_blocks == 0
+        others = [blocks(f"other{i}", 1)[0] for i in range(3)]
+        host = store.tier("host").tier
+        for k, p, b in others:  # each evicts the one before: only one slot is free
+            assert await store.put(k, p, BlockMeta(NS_A, 16, LAYOUT), b) is PutStatus.STORED
+            assert host.locate(k + NS_A) != slot
+        arena = Arena(store)
+        assert arena.read(slot.offset, slot.length) == payload
+        assert host.usage() == 2 * BLOCK
+        await store.release(acquired.lease.lease_id)
+        assert host.usage() == BLOCK  # the deleted block's slot is free at last
+        arena.close()
+
+
+async def test_a_tenant_cannot_reach_another_tenants_reservations_or_blocks(
+    tmp_path: Path,
+) -> None:
+    async with make_store(tmp_path, host_blocks=8, ssd=False) as store:
+        ((key, parent, payload),) = blocks("shared-key", 1)
+        # Step 1: A reserves K. B's commit and abort of K (in B's namespace) find nothing.
+        mine = await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT), owner="a")
+        assert mine.status is PutStatus.RESERVED
+        assert await store.commit(key, NS_B, owner="b") is PutStatus.EXPIRED
+        assert await store.abort(key, NS_B, owner="b") is False
+        # ... nor may another writer of A's own namespace finish A's reservation.
+        assert await store.commit(key, NS_A, owner="other") is PutStatus.EXPIRED
+        assert await store.abort(key, NS_A, owner="other") is False
+        # Step 2: B reserving or putting the same key is not told A holds it (no DEDUP).
+        theirs = await store.reserve(key, parent, BlockMeta(NS_B, 16, LAYOUT), owner="b")
+        assert theirs.status is PutStatus.RESERVED
+        assert await store.abort(key, NS_B, owner="b") is True
+        forged = b"\xee" * BLOCK
+        assert await store.put(key, parent, BlockMeta(NS_B, 16, LAYOUT), forged) is (
+            PutStatus.STORED
+        )
+        # Step 3: A commits its own bytes; each namespace reads its own block.
+        assert await store.commit(key, NS_A, owner="a", source=payload) is PutStatus.STORED
+        assert (await store.get(key, NS_A)).payload == payload
+        assert (await store.get(key, NS_B)).payload == forged
+        # Step 4: B deleting K removes only B's block.
+        assert await store.delete(key, NS_B) == 1
+        assert (await store.get(key, NS_A)).payload == payload
+
+
+async def test_a_commit_with_the_wrong_checksum_stores_nothing(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=4, ssd=False) as store:
+        ((key, parent, payload),) = blocks("sum", 1)
+        await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
+        bad = payload_checksum(payload) ^ 1
+        status = await store.commit(key, NS_A, source=payload, checksum=bad)
+        assert status is PutStatus.CHECKSUM_MISMATCH
+        assert (await store.lookup([key], NS_A)).num_blocks == 0
+        assert store.tier("host").tier.usage() == 0
+        assert store.stats().corrupt_writes == 1
+        await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
+        good = payload_checksum(payload)
+        assert await store.commit(key, NS_A, source=payload, checksum=good) is PutStatus.STORED
+
+
+async def test_a_corrupted_host_copy_is_caught_when_it_moves(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=2) as store:
+        chain = blocks("flip", 2)
+        for key, parent, payload in chain:
+            await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
+        host = store.tier("host").tier
+        # A bit flips in the daemon's memory (what a scribbling client could have done).
+        slot = host.locate(chain[1][0] + NS_A)
+        with host.view(slot) as view:
+            view[100] ^= 0x01
+        # Read by copy: the checksum catches it; the bad copy is dropped, not served.
+        assert await store.get(chain[1][0], NS_A) is None
+        assert store.stats().corrupt_blocks == 1
+        # Block 0 demoted to SSD on eviction is checked too: a good copy moves, bit-exact.
+        await fill_host_with_evictable(store, 2)
+        assert (await store.lookup([chain[0][0]], NS_A)).tiers == ("ssd",)
+        assert (await store.get(chain[0][0], NS_A)).payload == chain[0][2]
+        with host.view(host.locate(chain[0][0] + NS_A)) as view:
+            view[0] ^= 0x80
+        # Evicted again: its SSD copy already exists, so the bad host copy is dropped unread.
+        await fill_host_with_evictable(store, 4)
+        assert (await store.lookup([chain[0][0]], NS_A)).tiers == ("ssd",)
+        assert (await store.get(chain[0][0], NS_A)).payload == chain[0][2]
+        assert store.stats().corrupt_blocks == 1
+
+
+async def test_a_lease_released_before_its_grant_is_never_held(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=4) as store:
+        ((key, parent, payload),) = blocks("early", 1)
+        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
+        # The client gave up on its Acquire and released the id it had chosen for it.
+        with pytest.raises(UnknownLeaseError):
+            await store.release(0xABCDEF, owner="alice")
+        # Another tenant's id of the same value is unaffected.
+        theirs = await store.acquire([key], NS_A, owner="bob", lease_id=0xABCDEF)
+        assert theirs.lease.num_blocks == 1
+        # The late Acquire grants nothing: no lease, no pin, the block evictable again.
+        late = await store.acquire([key], NS_A, owner="alice", lease_id=0xABCDEF)
+        assert late.lease.num_blocks == 0 and late.slots == ()
+        assert store.stats().active_leases == 1
+        await store.release(0xABCDEF, owner="bob")
+        assert store.stats().active_leases == 0
+        assert store.tier("host").tier.pinned(theirs.slots[0]) == 0
+
+
+async def test_an_oversized_block_is_refused_before_anything_is_evicted(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=4) as store:
+        await fill_host_with_evictable(store, 4)
+        huge = BlockLayout(num_layers=64, num_kv_heads=2, block_tokens=16, head_dim=64,
+                           dtype="float16")  # fmt: skip
+        with pytest.raises(InvalidBlockError, match="can never fit in the host tier"):
+            await store.reserve(b"h" * 32, ROOT_KEY, BlockMeta(NS_A, 16, huge))
+        with pytest.raises(InvalidBlockError, match="can never fit in the host tier"):
+            await store.put(
+                b"h" * 32, ROOT_KEY, BlockMeta(NS_A, 16, huge), bytes(huge.payload_bytes)
+            )
+        assert store.tier("host").tier.usage() == 4 * BLOCK
+        assert store.stats().tiers[0].evictions == 0
+
+
+async def test_a_corrupted_host_copy_is_never_demoted(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=2) as store:
+        ((key, parent, payload),) = blocks("demote", 1)
+        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
+        host, ssd = store.tier("host").tier, store.tier("ssd").tier
+        with host.view(host.locate(key + NS_A)) as view:
+            view[-1] ^= 0x10
+        await fill_host_with_evictable(store, 3)  # evicts it: the demotion reads and checks it
+        assert await ssd.contains(key + NS_A) is False
+        assert (await store.lookup([key], NS_A)).num_blocks == 0
+        assert store.stats().corrupt_blocks == 1 and store.stats().demotions >= 1

@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 
 from kvstore.blocks import (
     HEADER_PREFIX_BYTES,
@@ -26,6 +27,7 @@ from kvstore.blocks import (
     decode_layer,
     encode_block,
     header_length,
+    payload_checksum,
 )
 
 KEY = hashlib.sha256(b"key").digest()
@@ -225,8 +227,8 @@ def test_wrong_magic_and_unsupported_version_say_what_they_found() -> None:
 
     with pytest.raises(BadMagicError, match=r"magic must be b'KVB1', found b'GGUF'"):
         decode_block(b"GGUF" + blob[4:])
-    with pytest.raises(UnsupportedVersionError, match="version must be 1, found 2"):
-        decode_block(blob[:4] + struct.pack("<H", 2) + blob[6:])
+    with pytest.raises(UnsupportedVersionError, match="version must be 2, found 1"):
+        decode_block(blob[:4] + struct.pack("<H", 1) + blob[6:])  # crc32 blocks of format 1
     with pytest.raises(BadMagicError):
         header_length(b"\0" * HEADER_PREFIX_BYTES)
 
@@ -238,7 +240,7 @@ def test_wrong_magic_and_unsupported_version_say_what_they_found() -> None:
         (127, b"\x07", "codec must be one of"),
         (106, struct.pack("<I", 0), "num_tokens must be an int in 1..16, got 0"),
         (114, struct.pack("<I", 0), "num_kv_heads must be an int"),
-        (160, b"\x01", "header padding must be zero bytes"),
+        (180, b"\x01", "header padding must be zero bytes"),
     ],
 )
 def test_a_resealed_header_with_bad_fields_is_corrupt(
@@ -257,7 +259,7 @@ def test_lz4_bytes_that_pass_the_checksum_but_do_not_decode_raise() -> None:
     header = decode_header(blob)
     offset, length = header.stored_range(0)
     blob[offset : offset + length] = b"\xff" * length
-    struct.pack_into("<I", blob, 132, zlib.crc32(b"\xff" * length))  # layer 0 crc
+    struct.pack_into("<Q", blob, 140, xxhash.xxh3_64_intdigest(b"\xff" * length))  # layer 0
     struct.pack_into(
         "<I", blob, header.header_bytes - 4, zlib.crc32(blob[: header.header_bytes - 4])
     )
@@ -327,3 +329,14 @@ def test_layer_indices_out_of_range_raise() -> None:
         header.stored_range(-1)
     with pytest.raises(ValueError, match="got 3"):
         decode_layer(header, b"", 3)
+
+
+def test_a_payload_whose_layers_check_out_but_not_the_whole_is_refused() -> None:
+    layout = make_layout()
+    payload = tensor_bytes(kv_like(layout))
+    blob = encode(layout, payload)
+    assert decode_header(blob).checksum == payload_checksum(payload)
+    wrong = struct.pack("<Q", payload_checksum(payload) ^ 1)  # the payload checksum field
+    with pytest.raises(ChecksumMismatchError, match="payload checksum mismatch") as info:
+        decode_block(resealed(blob, 128, wrong))
+    assert info.value.layer == -1

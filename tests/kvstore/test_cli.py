@@ -36,18 +36,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mem", "free", "expected"),
+    ("mem", "expected"),
     [
-        (64 * GiB, 100 * GiB, 8 * GiB),  # the cap
-        (8 * GiB, 100 * GiB, 2 * GiB),  # a quarter of the available memory
-        (8 * GiB, 1 * GiB, 512 * MiB),  # half the free space of /dev/shm
-        (1000 * MiB, 100 * GiB, 192 * MiB),  # 250 MiB rounded down to 64 MiB
-        (100 * MiB, 100 * GiB, 64 * MiB),  # never below one granule
-        (None, 3 * GiB, 1536 * MiB),  # memory unknown: the disk decides
+        (64 * GiB, 8 * GiB),  # the cap
+        (8 * GiB, 2 * GiB),  # a quarter of the available memory
+        (1000 * MiB, 192 * MiB),  # 250 MiB rounded down to 64 MiB
+        (100 * MiB, 64 * MiB),  # never below one granule
+        (None, 8 * GiB),  # memory unknown: the cap
     ],
 )
-def test_host_capacity(mem: int | None, free: int, expected: int) -> None:
-    assert host_capacity(mem, free) == expected
+def test_host_capacity(mem: int | None, expected: int) -> None:
+    assert host_capacity(mem) == expected
 
 
 def test_mem_available_reads_proc_meminfo(tmp_path: Path) -> None:
@@ -55,22 +54,21 @@ def test_mem_available_reads_proc_meminfo(tmp_path: Path) -> None:
     meminfo.write_text("MemTotal:  16000000 kB\nMemAvailable:   8000000 kB\n")
     assert mem_available(meminfo) == 8_000_000 * 1024
     assert mem_available(tmp_path / "missing") is None
-    capacity = auto_host_capacity(tmp_path)
+    capacity = auto_host_capacity()
     assert capacity % GRANULE == 0 and GRANULE <= capacity <= 8 * GiB
 
 
 def test_serve_config_sizes_the_host_tier_only_without_a_file(
     tmp_path: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVSTORE_HOST__DIRECTORY", str(tmp_path))
     config = serve_config(None, ["unix:/tmp/a.sock", "127.0.0.1:0"])
     assert config.server.listen == ("unix:/tmp/a.sock", "127.0.0.1:0")
-    assert config.host.capacity == auto_host_capacity(tmp_path)
+    assert config.host.capacity == auto_host_capacity()
     monkeypatch.setenv("KVSTORE_HOST__CAPACITY", "128MiB")
     assert serve_config(None, None).host.capacity == 128 * MiB
     monkeypatch.delenv("KVSTORE_HOST__CAPACITY")
     file = tmp_path / "kvstore.toml"
-    file.write_text('[host]\ndirectory = "/dev/shm"\n')
+    file.write_text('[host]\nttl = "0s"\n')
     assert serve_config(str(file), None).host.capacity == HostConfig().capacity
 
 
@@ -121,7 +119,7 @@ def test_serve_stats_and_sigterm(tmp_path: Path, sock_dir: Path) -> None:
     sock = sock_dir / "kvstore.sock"
     config = tmp_path / "kvstore.toml"
     config.write_text(
-        f'[host]\ncapacity = "4MiB"\ndirectory = "{tmp_path}"\n'
+        '[host]\ncapacity = "4MiB"\n'
         f'[ssd]\ndirectory = "{tmp_path / "ssd"}"\ncapacity = "64MiB"\nfsync = false\n'
         f'[server]\nlisten = ["unix:{sock}"]\n'
     )
@@ -170,7 +168,7 @@ def test_serve_stats_and_sigterm(tmp_path: Path, sock_dir: Path) -> None:
     assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
     # The write-back block was flushed to SSD on the way out.
     ssd_config = Config(
-        host=HostConfig(capacity=4 * MiB, directory=str(tmp_path)),
+        host=HostConfig(capacity=4 * MiB),
         ssd=SsdConfig(directory=str(tmp_path / "ssd"), capacity=64 * MiB, fsync=False),
     )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import mmap
 import os
 import shutil
 import socket
@@ -13,7 +12,7 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +20,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.blocks import ROOT_KEY
+from kvstore.blocks import ROOT_KEY, payload_checksum
 from kvstore.client.keys import block_keys
+from kvstore.client.shm import ShmSession
 from kvstore.config import AuthConfig, Config, HostConfig, ServerConfig, SsdConfig
 from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.server import RunningServer, create_server
+from kvstore.shm_wire import Hello
 from kvstore.store import BlockStore
 
 MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
@@ -57,7 +58,7 @@ def make_config(
     tmp_path: Path, sock_dir: Path, *, tokens: tuple[str, ...] = (), mode: str = "0600"
 ) -> Config:
     return Config(
-        host=HostConfig(capacity=4 << 20, directory=str(tmp_path)),
+        host=HostConfig(capacity=4 << 20),
         ssd=SsdConfig(directory=str(tmp_path / "ssd"), capacity=64 << 20, fsync=False),
         server=ServerConfig(
             listen=(f"unix:{sock_dir}/run/kvstore.sock", "127.0.0.1:0"),
@@ -153,13 +154,6 @@ async def get_payloads(stub: kvstore_pb2_grpc.KVStoreStub, ns: bytes, ks: list[b
     return {i: (bytes(data), tiers[i]) for i, data in payloads.items()}
 
 
-@contextmanager
-def map_arena(path: str, size: int) -> Iterator[mmap.mmap]:
-    """The daemon's arena, mapped shared as a co-located client maps it."""
-    with open(path, "r+b") as file, mmap.mmap(file.fileno(), size) as arena:
-        yield arena
-
-
 def socket_mode(path: Path) -> int | None:
     """The permission bits of a unix socket file; None when there is no socket there."""
     try:
@@ -181,9 +175,10 @@ async def rpc_error(call: object) -> grpc.aio.AioRpcError:
 async def test_handshake_and_health(kv: Daemon, address: str) -> None:
     stub = kv.stub(address)
     info = await stub.Handshake(pb.HandshakeRequest())
-    arena = os.stat(info.arena_path)
-    assert (info.arena_device, info.arena_inode) == (arena.st_dev, arena.st_ino)
-    assert info.arena_bytes == 4 << 20 == arena.st_size
+    assert info.shm_socket == kv.running.addresses[0].removeprefix("unix:") + ".shm"
+    assert stat.S_ISSOCK(os.stat(info.shm_socket).st_mode)
+    assert info.instance_id == kv.running.service.instance_id and len(info.instance_id) == 16
+    assert info.max_block_bytes == 4 << 20  # the host tier's size is the tighter limit
     assert (info.max_message_bytes, info.chunk_bytes, info.lease_seconds) == (MAX_MESSAGE, CHUNK, 5)
     health = health_pb2_grpc.HealthStub(kv.channels[-1])
     for service in ("", "kvstore.v1.KVStore"):
@@ -211,25 +206,34 @@ async def test_shared_memory_write_and_read(kv: Daemon, address: str) -> None:
     ns = await register(stub)
     blocks = blocks_of("", 2)
     info = await stub.Handshake(pb.HandshakeRequest())
-    with map_arena(info.arena_path, info.arena_bytes) as arena:
-        # Reserve -> write into the slots -> Commit.
+    session = await ShmSession.open(info.shm_socket, Hello("", "", 1 << 20))
+    try:
+        assert session.info.instance_id == info.instance_id
+        # Reserve -> write into the staging slots -> Commit (the daemon copies and checks).
         reserved = await stub.Reserve(
-            pb.ReserveRequest(namespace=ns, blocks=[b for b, _ in blocks])
+            pb.ReserveRequest(
+                namespace=ns, blocks=[b for b, _ in blocks], session=session.session_id
+            )
         )
         assert [r.status for r in reserved.reservations] == [pb.RESERVED] * 2
         assert reserved.expires_in == 5.0
-        for r, (_, payload) in zip(reserved.reservations, blocks, strict=True):
-            assert r.slot.length == BLOCK
-            arena[r.slot.offset : r.slot.offset + r.slot.length] = payload
-        committed = await stub.Commit(pb.CommitRequest(namespace=ns, keys=keys(blocks)))
-        assert list(committed.statuses) == [pb.STORED] * 2
-        committed = await stub.Commit(pb.CommitRequest(namespace=ns, keys=keys(blocks)))
-        assert list(committed.statuses) == [pb.EXPIRED] * 2
-        # Acquire -> read the slots -> Release.
-        acquired = await stub.Acquire(pb.AcquireRequest(namespace=ns, keys=keys(blocks)))
+        slots = [(r.slot.offset, r.slot.length) for r in reserved.reservations]
+        assert all(length == BLOCK for _, length in slots)
+        await session.staging.copy_in(slots, [payload for _, payload in blocks])
+        commit = pb.CommitRequest(namespace=ns, keys=keys(blocks), session=session.session_id)
+        assert list((await stub.Commit(commit)).statuses) == [pb.STORED] * 2
+        assert list((await stub.Commit(commit)).statuses) == [pb.EXPIRED] * 2
+        # Acquire -> read the slots in the arena -> Release.
+        acquired = await stub.Acquire(
+            pb.AcquireRequest(namespace=ns, keys=keys(blocks), lease_id=77)
+        )
+        assert acquired.lease_id == 77 and acquired.arena_id == session.arena.arena_id
         assert 0 < acquired.expires_in <= 5.0 and len(acquired.slots) == 2
-        for slot, (_, payload) in zip(acquired.slots, blocks, strict=True):
-            assert arena[slot.offset : slot.offset + slot.length] == payload
+        got = await session.arena.read([(s.offset, s.length) for s in acquired.slots])
+        assert got == [payload for _, payload in blocks]
+        assert list(acquired.checksums) == [payload_checksum(p) for _, p in blocks]
+    finally:
+        await session.aclose()
     stats = await stub.Stats(pb.StatsRequest())
     assert stats.active_leases == 1 and stats.blocks == 2
     await stub.Release(pb.ReleaseRequest(lease_id=acquired.lease_id))
@@ -246,10 +250,16 @@ async def test_abort_prefetch_delete_and_stats(kv: Daemon) -> None:
     stub = kv.stub(kv.running.addresses[0])
     ns = await register(stub)
     blocks = blocks_of("", 3)
-    reserved = await stub.Reserve(pb.ReserveRequest(namespace=ns, blocks=[blocks[0][0]]))
+    info = await stub.Handshake(pb.HandshakeRequest())
+    session = await ShmSession.open(info.shm_socket, Hello("", "", 1 << 20))
+    sid = session.session_id
+    reserved = await stub.Reserve(
+        pb.ReserveRequest(namespace=ns, blocks=[blocks[0][0]], session=sid)
+    )
     assert (await stub.Stats(pb.StatsRequest())).active_reservations == 1
-    await stub.Abort(pb.AbortRequest(namespace=ns, keys=keys(blocks[:1])))
+    await stub.Abort(pb.AbortRequest(namespace=ns, keys=keys(blocks[:1]), session=sid))
     assert reserved.reservations[0].status == pb.RESERVED
+    await session.aclose()
     await stub.Put(put_chunks(ns, blocks))
     chains = [pb.KeyChain(keys=keys(blocks))]
     prefetched = await stub.Prefetch(

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import mmap
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from kvstore.blocks import ROOT_KEY
+from kvstore.blocks import ROOT_KEY, payload_checksum
 from kvstore.client.keys import block_keys
+from kvstore.client.shm import ShmSession
 from kvstore.config import Config, HostConfig, ServerConfig, SsdConfig
 from kvstore.errors import (
     InvalidBlockError,
@@ -19,10 +19,13 @@ from kvstore.errors import (
     PermissionDeniedError,
     UnknownLeaseError,
     UnknownNamespaceError,
+    UnknownSessionError,
 )
 from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.results import PutStatus
 from kvstore.service import MAX_KEYS, BlockSpec, KVStoreService
+from kvstore.sessions import SessionServer
+from kvstore.shm_wire import Hello, session_path
 from kvstore.store import BlockStore
 
 MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
@@ -33,7 +36,7 @@ BLOCK = LAYOUT.payload_bytes  # 16 KiB
 
 def make_config(tmp_path: Path, host_blocks: int = 64) -> Config:
     return Config(
-        host=HostConfig(capacity=host_blocks * BLOCK, directory=str(tmp_path)),
+        host=HostConfig(capacity=host_blocks * BLOCK),
         ssd=SsdConfig(directory=str(tmp_path / "ssd"), capacity=1 << 26, fsync=False),
         server=ServerConfig(listen=(f"unix:{tmp_path}/kv.sock",), lease_ttl=5.0),
     )
@@ -50,13 +53,6 @@ def blocks_of(tenant: str, num_blocks: int, salt: int = 0) -> list[tuple[BlockSp
     ]
 
 
-@contextmanager
-def map_arena(path: str, size: int) -> Iterator[mmap.mmap]:
-    """The daemon's arena, mapped shared as a co-located client maps it."""
-    with open(path, "r+b") as file, mmap.mmap(file.fileno(), size) as arena:
-        yield arena
-
-
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[BlockStore]:
     store = BlockStore.from_config(make_config(tmp_path))
@@ -66,8 +62,37 @@ async def store(tmp_path: Path) -> AsyncIterator[BlockStore]:
 
 @pytest.fixture
 async def service(store: BlockStore, tmp_path: Path) -> AsyncIterator[KVStoreService]:
-    async with KVStoreService(store, make_config(tmp_path)) as service:
-        yield service
+    config = make_config(tmp_path)
+    async with KVStoreService(store, config) as service:
+        sessions = SessionServer(
+            Path(session_path(str(short_socket_dir() / "kv.sock"))),
+            socket_mode=0o600,
+            store=store,
+            tenant_of=lambda token: None,
+            on_close=service.close_session,
+            instance_id=service.instance_id,
+            max_staging_bytes=1 << 20,
+            max_sessions=8,
+        )
+        await sessions.start()
+        service.sessions = sessions
+        try:
+            yield service
+        finally:
+            await sessions.aclose()
+
+
+@pytest.fixture
+async def session(service: KVStoreService) -> AsyncIterator[ShmSession]:
+    """Alice's shm session, opened over the real session socket."""
+    assert service.sessions is not None
+    opened = await ShmSession.open(str(service.sessions.path), Hello("", "alice", 1 << 20))
+    yield opened
+    await opened.aclose()
+
+
+def short_socket_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="kvs-"))  # unix socket paths must stay short
 
 
 async def put_all(
@@ -126,10 +151,11 @@ async def test_a_tenant_cannot_use_or_register_anothers_namespace(service) -> No
         await put_all(service, ns, blocks_of("alice", 1, salt=9), "bob")
     with pytest.raises(PermissionDeniedError):
         await service.delete(ns, keys(blocks), tenant="bob")
-    # A lease granted to alice cannot be ended by bob.
+    # A lease granted to alice cannot be ended by bob: to bob it does not exist.
     acquired = await service.acquire(ns, keys(blocks), tenant="alice")
-    with pytest.raises(PermissionDeniedError, match=f"lease {acquired.lease.lease_id} belongs"):
+    with pytest.raises(UnknownLeaseError, match=f"lease {acquired.lease.lease_id} is unknown"):
         await service.release(acquired.lease.lease_id, tenant="bob")
+    assert service.stats().store.active_leases == 1
     await service.release(acquired.lease.lease_id, tenant="alice")
     # Bob's own namespace for the same model is a different one, empty.
     bob_ns = service.register_namespace(MODEL, "bob", caller="bob")
@@ -149,7 +175,7 @@ async def test_validation_errors_name_the_bad_value(service) -> None:
     with pytest.raises(InvalidBlockError, match=r"num_tokens must be 16 .*got 15"):
         await service.put(ns, short, payload)
     with pytest.raises(InvalidBlockError, match=r"blocks\[1\].parent must be 32 bytes, got 0"):
-        await service.reserve(ns, [spec, BlockSpec(spec.key, b"", 16)])
+        await service.reserve(ns, [spec, BlockSpec(spec.key, b"", 16)], session=b"s" * 16)
     assert service.stats().store.active_reservations == 0  # checked before any was reserved
     with pytest.raises(InvalidRequestError, match=r"lease_seconds must be in 0\.\.3600.*got -1"):
         await service.acquire(ns, [spec.key], -1.0)
@@ -159,28 +185,30 @@ async def test_validation_errors_name_the_bad_value(service) -> None:
         await service.release(12345)
 
 
-async def test_reserve_write_commit_acquire_read_release(service, store) -> None:
+async def test_reserve_write_commit_acquire_read_release(service, session) -> None:
     ns = service.register_namespace(MODEL, "alice")
     blocks = blocks_of("alice", 2)
-    arena = service.handshake().arena
-    assert arena is not None and arena.size == store.arena().size
-    with map_arena(arena.path, arena.size) as mapped:
-        reserved = await service.reserve(ns, [spec for spec, _ in blocks])
-        assert [r.status for r in reserved.items] == [PutStatus.RESERVED] * 2
-        assert reserved.expires_in == 5.0
-        # Invisible until committed.
-        assert (await service.lookup(ns, keys(blocks))).num_blocks == 0
-        for item, (_, payload) in zip(reserved.items, blocks, strict=True):
-            assert item.slot is not None and item.slot.length == BLOCK
-            mapped[item.slot.offset : item.slot.end] = payload
-        assert await service.commit(ns, keys(blocks)) == [PutStatus.STORED] * 2
-        assert await service.commit(ns, keys(blocks)) == [PutStatus.EXPIRED] * 2
-        again = await service.reserve(ns, [blocks[0][0]])
-        assert [r.status for r in again.items] == [PutStatus.DEDUP]
-        acquired = await service.acquire(ns, keys(blocks), lease_seconds=2.0)
-        assert acquired.lease.num_blocks == 2
-        for slot, (_, payload) in zip(acquired.slots, blocks, strict=True):
-            assert mapped[slot.offset : slot.end] == payload
+    assert service.handshake().shm_socket.endswith(".shm")
+    reserved = await service.reserve(ns, [spec for spec, _ in blocks], session=session.session_id)
+    assert [r.status for r in reserved.items] == [PutStatus.RESERVED] * 2
+    assert reserved.expires_in == 5.0
+    # Invisible until committed; the slots are in the session's staging area.
+    assert (await service.lookup(ns, keys(blocks))).num_blocks == 0
+    slots = [(item.slot.offset, item.slot.length) for item in reserved.items]
+    await session.staging.copy_in(slots, [payload for _, payload in blocks])
+    statuses = await service.commit(ns, keys(blocks), session=session.session_id)
+    assert statuses == [PutStatus.STORED] * 2
+    assert await service.commit(ns, keys(blocks), session=session.session_id) == (
+        [PutStatus.EXPIRED] * 2
+    )
+    again = await service.reserve(ns, [blocks[0][0]], session=session.session_id)
+    assert [r.status for r in again.items] == [PutStatus.DEDUP]
+    # Read back in place, in alice's arena, which the session maps read-only.
+    acquired = await service.acquire(ns, keys(blocks), lease_seconds=2.0)
+    assert acquired.lease.num_blocks == 2
+    assert acquired.arena_id == session.arena.arena_id
+    got = await session.arena.read([(s.offset, s.length) for s in acquired.slots])
+    assert got == [payload for _, payload in blocks]
     assert service.stats().store.active_leases == 1
     await service.release(acquired.lease.lease_id)
     assert service.stats().store.active_leases == 0
@@ -188,14 +216,45 @@ async def test_reserve_write_commit_acquire_read_release(service, store) -> None
         await service.release(acquired.lease.lease_id)
 
 
-async def test_abort_frees_a_reservation(service) -> None:
+async def test_a_commit_whose_bytes_do_not_match_their_checksum_stores_nothing(
+    service, session
+) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    ((spec, payload),) = blocks_of("alice", 1)
+    reserved = await service.reserve(ns, [spec], session=session.session_id)
+    slot = reserved.items[0].slot
+    await session.staging.copy_in([(slot.offset, slot.length)], [payload])
+    wrong = [payload_checksum(payload) ^ 1]
+    statuses = await service.commit(ns, [spec.key], session=session.session_id, checksums=wrong)
+    assert statuses == [PutStatus.CHECKSUM_MISMATCH]
+    assert (await service.lookup(ns, [spec.key])).num_blocks == 0
+    with pytest.raises(InvalidRequestError, match="one per key: 1 keys, 2 checksums"):
+        await service.commit(ns, [spec.key], session=session.session_id, checksums=[1, 2])
+
+
+async def test_abort_frees_a_reservation(service, session) -> None:
     ns = service.register_namespace(MODEL, "alice")
     blocks = blocks_of("alice", 1)
-    await service.reserve(ns, [blocks[0][0]])
+    await service.reserve(ns, [blocks[0][0]], session=session.session_id)
     assert service.stats().store.active_reservations == 1
-    await service.abort(ns, keys(blocks))
+    await service.abort(ns, keys(blocks), session=session.session_id)
     assert service.stats().store.active_reservations == 0
-    assert await service.commit(ns, keys(blocks)) == [PutStatus.EXPIRED]
+    assert await service.commit(ns, keys(blocks), session=session.session_id) == [PutStatus.EXPIRED]
+
+
+async def test_a_closed_session_leaves_no_reservation_and_cannot_be_used(service, session) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    blocks = blocks_of("alice", 3)
+    await service.reserve(ns, [spec for spec, _ in blocks], session=session.session_id)
+    assert service.stats().store.active_reservations == 3
+    await session.aclose()  # the client went away without committing
+    for _ in range(100):
+        if service.stats().store.active_reservations == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert service.stats().store.active_reservations == 0
+    with pytest.raises(UnknownSessionError, match="is not open"):
+        await service.reserve(ns, [blocks[0][0]], session=session.session_id)
 
 
 async def test_prefetch_promotes_in_the_background(tmp_path: Path) -> None:

@@ -45,6 +45,11 @@ def keys_of(blocks: list[tuple[bytes, bytes, bytes]]) -> list[bytes]:
     return [key for key, _, _ in blocks]
 
 
+def ids_of(blocks: list[tuple[bytes, bytes, bytes]]) -> list[bytes]:
+    """Where the tiers store the blocks: key || namespace."""
+    return [key + NAMESPACE for key, _, _ in blocks]
+
+
 Factory = Callable[..., AsyncIterator[BlockStore]]
 
 
@@ -67,7 +72,7 @@ def make_store(tmp_path: Path) -> Callable[..., object]:
     ) -> AsyncIterator[BlockStore]:
         tiers = []
         if host_blocks:
-            host = HostTier(host_blocks * BLOCK, directory=tmp_path)
+            host = HostTier(host_blocks * BLOCK)
             tiers.append(StoreTier(host, None, write_policy("write_through", 1)))
         if ssd_policy is not None:
             ssd = SsdTier(ssd_dir or tmp_path / "ssd", ssd_blocks * (BLOCK + 1024), fsync=False)
@@ -100,12 +105,12 @@ async def test_shared_prefixes_are_stored_once(make_store) -> None:
         assert stats.blocks == 7
         assert stats.dedup_puts == 3
         assert store.tier("host").tier.usage() == 7 * BLOCK
-        assert (await store.lookup(keys_of(bob))).num_blocks == 5
+        assert (await store.lookup(keys_of(bob), NAMESPACE)).num_blocks == 5
         # A prefix of Alice's plus an unknown block matches only the known part.
         probe = keys_of(alice[:4]) + keys_of(chain("nobody", 1))
-        assert (await store.lookup(probe)).num_blocks == 4
+        assert (await store.lookup(probe, NAMESPACE)).num_blocks == 4
         for key, _, payload in bob:
-            block = await store.get(key)
+            block = await store.get(key, NAMESPACE)
             assert block is not None and block.payload == payload and block.tier == "host"
 
 
@@ -115,22 +120,22 @@ async def test_eviction_takes_leaves_only_and_never_leased_blocks(make_store) ->
         b = chain("b", 1)
         await put_all(store, a + b)  # host full: a0 a1 a2 b0
         # Step 1: lease a2. LRU order is a0 a1 a2 b0; a0 and a1 have children, a2 is leased.
-        lease = store.pin(keys_of(a))
+        lease = store.pin(keys_of(a), NAMESPACE)
         assert lease.num_blocks == 3
         c = chain("c", 1)
         assert await put_all(store, c) == [PutStatus.STORED]
         # b0 was the only evictable block: no lower tier, so it is gone.
-        assert (await store.lookup(keys_of(b))).num_blocks == 0
-        assert (await store.lookup(keys_of(a))).num_blocks == 3
+        assert (await store.lookup(keys_of(b), NAMESPACE)).num_blocks == 0
+        assert (await store.lookup(keys_of(a), NAMESPACE)).num_blocks == 3
         # Step 2: while everything left is leased or has children, a new put finds no room.
-        lease_c = store.pin(keys_of(c))
+        lease_c = store.pin(keys_of(c), NAMESPACE)
         assert await put_all(store, chain("d", 1)) == [PutStatus.NO_SPACE]
         assert store.stats().dropped_saves == 1
         # Step 3: released, the leaf a2 goes before its parents.
         await store.release(lease.lease_id)
         await store.release(lease_c.lease_id)
         assert await put_all(store, chain("e", 1)) == [PutStatus.STORED]
-        assert (await store.lookup(keys_of(a))).num_blocks == 2
+        assert (await store.lookup(keys_of(a), NAMESPACE)).num_blocks == 2
         assert store.stats().tiers[0].evictions == 2
         with pytest.raises(UnknownLeaseError, match=f"lease {lease.lease_id} is unknown"):
             await store.release(lease.lease_id)
@@ -146,14 +151,14 @@ async def test_write_back_copies_down_on_demotion_and_promotes_on_hit(make_store
         # Step 2: a fifth block evicts the LRU leaf (doc3, the chain's tail) down to SSD.
         extra = chain("extra", 1)
         await put_all(store, extra)
-        assert list(ssd.keys()) == [blocks[3][0]]
+        assert list(ssd.keys()) == [blocks[3][0] + NAMESPACE]
         assert store.stats().demotions == 1
-        assert (await store.lookup(keys_of(blocks))).tiers == ("host",) * 3 + ("ssd",)
+        assert (await store.lookup(keys_of(blocks), NAMESPACE)).tiers == ("host",) * 3 + ("ssd",)
         # Step 3: reading it back is bit-exact, comes from SSD, and promotes it to host.
-        block = await store.get(blocks[3][0])
+        block = await store.get(blocks[3][0], NAMESPACE)
         assert block is not None and block.payload == blocks[3][2] and block.tier == "ssd"
         assert store.stats().promotions == 1
-        block = await store.get(blocks[3][0])
+        block = await store.get(blocks[3][0], NAMESPACE)
         assert block is not None and block.tier == "host"
         assert store.stats().tiers[0].hits == 1 and store.stats().tiers[1].hits == 1
 
@@ -163,9 +168,9 @@ async def test_write_through_writes_every_put_down(make_store) -> None:
         blocks = chain("wt", 3)
         await put_all(store, blocks)
         ssd = store.tier("ssd").tier
-        assert sorted(ssd.keys()) == sorted(keys_of(blocks))
+        assert sorted(ssd.keys()) == sorted(ids_of(blocks))
         for key, _, payload in blocks:
-            assert (await ssd.get(key)).endswith(payload)  # raw codec: header + payload
+            assert (await ssd.get(key + NAMESPACE)).endswith(payload)  # raw codec: header + payload
 
 
 async def test_selective_write_through_on_the_nth_hit(make_store) -> None:
@@ -174,16 +179,16 @@ async def test_selective_write_through_on_the_nth_hit(make_store) -> None:
         await put_all(store, hot + cold)
         ssd = store.tier("ssd").tier
         # Step 1: one hit is not enough.
-        await store.get(hot[0][0])
+        await store.get(hot[0][0], NAMESPACE)
         assert list(ssd.keys()) == []
         # Step 2: the second hit writes it to SSD.
-        await store.get(hot[0][0])
-        assert list(ssd.keys()) == [hot[0][0]]
+        await store.get(hot[0][0], NAMESPACE)
+        assert list(ssd.keys()) == ids_of(hot)
         # Step 3: evicted before reaching two hits, the cold block is dropped, not copied.
-        await store.get(hot[0][0])  # make cold the LRU block
+        await store.get(hot[0][0], NAMESPACE)  # make cold the LRU block
         await put_all(store, chain("new", 1))
-        assert (await store.lookup(keys_of(cold))).num_blocks == 0
-        assert list(ssd.keys()) == [hot[0][0]]
+        assert (await store.lookup(keys_of(cold), NAMESPACE)).num_blocks == 0
+        assert list(ssd.keys()) == ids_of(hot)
 
 
 async def test_watermarks_start_high_and_stop_low(make_store) -> None:
@@ -206,7 +211,7 @@ async def test_restart_rebuilds_from_ssd_and_drops_damaged_files(make_store, tmp
     async with make_store(host_blocks=8, ssd_policy="write_through", ssd_dir=ssd_dir) as store:
         await put_all(store, blocks)
         ssd = store.tier("ssd").tier
-        flipped, truncated = ssd.path_of(blocks[2][0]), ssd.path_of(blocks[4][0])
+        flipped, truncated = (ssd.path_of(block) for block in ids_of(blocks[2:5:2]))
     # Damage two files while the daemon is down: flip one payload byte, truncate another.
     data = bytearray(flipped.read_bytes())
     data[-100] ^= 0xFF
@@ -215,17 +220,17 @@ async def test_restart_rebuilds_from_ssd_and_drops_damaged_files(make_store, tmp
 
     async with make_store(host_blocks=8, ssd_policy="write_through", ssd_dir=ssd_dir) as store:
         # The truncated file is gone at start; the chain is held up to it.
-        result = await store.lookup(keys_of(blocks))
+        result = await store.lookup(keys_of(blocks), NAMESPACE)
         assert result.num_blocks == 4 and result.tiers == ("ssd",) * 4
         for key, _, payload in blocks[:2]:
-            block = await store.get(key)
+            block = await store.get(key, NAMESPACE)
             assert block is not None and block.payload == payload
         # The flipped byte is caught by the checksum: a miss, the copy deleted, counted.
-        assert await store.get(blocks[2][0]) is None
+        assert await store.get(blocks[2][0], NAMESPACE) is None
         assert store.stats().corrupt_blocks == 1
         assert not flipped.exists()
-        assert (await store.lookup(keys_of(blocks))).num_blocks == 2
-        assert (await store.get(blocks[3][0])).payload == blocks[3][2]
+        assert (await store.lookup(keys_of(blocks), NAMESPACE)).num_blocks == 2
+        assert (await store.get(blocks[3][0], NAMESPACE)).payload == blocks[3][2]
 
 
 async def test_flush_on_close_keeps_write_back_blocks(make_store, tmp_path) -> None:
@@ -235,21 +240,21 @@ async def test_flush_on_close_keeps_write_back_blocks(make_store, tmp_path) -> N
         await put_all(store, blocks)
         assert store.tier("ssd").tier.usage() == 0
     async with make_store(host_blocks=8, ssd_policy="write_back", ssd_dir=ssd_dir) as store:
-        assert (await store.lookup(keys_of(blocks))).num_blocks == 3
+        assert (await store.lookup(keys_of(blocks), NAMESPACE)).num_blocks == 3
         for key, _, payload in blocks:
-            assert (await store.get(key)).payload == payload
+            assert (await store.get(key, NAMESPACE)).payload == payload
 
 
 async def test_delete_hides_at_once_and_frees_after_the_lease(make_store) -> None:
     async with make_store(host_blocks=8) as store:
         blocks = chain("del", 3)
         await put_all(store, blocks)
-        lease = store.pin(keys_of(blocks) + keys_of(chain("missing", 1)))
+        lease = store.pin(keys_of(blocks) + keys_of(chain("missing", 1)), NAMESPACE)
         assert lease.num_blocks == 3  # a lease covers the leading held blocks only
         # Deleting block 1 removes its descendant too; both are leased, so space waits.
-        assert await store.delete(blocks[1][0]) == 2
-        assert (await store.lookup(keys_of(blocks))).num_blocks == 1
-        assert await store.get(blocks[2][0]) is None
+        assert await store.delete(blocks[1][0], NAMESPACE) == 2
+        assert (await store.lookup(keys_of(blocks), NAMESPACE)).num_blocks == 1
+        assert await store.get(blocks[2][0], NAMESPACE) is None
         assert store.tier("host").tier.usage() == 3 * BLOCK
         await store.release(lease.lease_id)
         assert store.tier("host").tier.usage() == BLOCK
@@ -261,7 +266,7 @@ async def test_leases_expire(make_store) -> None:
     async with make_store(host_blocks=2) as store:
         blocks = chain("exp", 2)
         await put_all(store, blocks)
-        lease = store.pin(keys_of(blocks), ttl=1.0)
+        lease = store.pin(keys_of(blocks), NAMESPACE, ttl=1.0)
         assert store.stats().active_leases == 1
         await store.maintain(now=lease.expires_at + 0.1)
         assert store.stats().active_leases == 0
@@ -274,11 +279,11 @@ async def test_shared_tier_serves_another_node(make_store, redis_url) -> None:
         await put_all(node_a, blocks)
         async with make_store(host_blocks=4, redis_url=redis_url) as node_b:
             # Node B never saw these puts: it finds them live in Redis by key.
-            result = await node_b.lookup(keys_of(blocks))
+            result = await node_b.lookup(keys_of(blocks), NAMESPACE)
             assert result.num_blocks == 3 and result.tiers == ("redis",) * 3
-            block = await node_b.get(blocks[1][0])
+            block = await node_b.get(blocks[1][0], NAMESPACE)
             assert block is not None and block.payload == blocks[1][2] and block.tier == "redis"
-            assert (await node_b.get(blocks[1][0])).tier == "host"  # promoted
+            assert (await node_b.get(blocks[1][0], NAMESPACE)).tier == "host"  # promoted
 
 
 async def test_redis_down_means_misses_and_back_means_writes(make_store, redis_server) -> None:
@@ -291,14 +296,14 @@ async def test_redis_down_means_misses_and_back_means_writes(make_store, redis_s
         # Redis is gone: puts still land in host, lookups do not raise, health says so.
         during = chain("during", 2)
         assert await put_all(store, during) == [PutStatus.STORED] * 2
-        assert (await store.lookup(keys_of(chain("unknown", 2)))).num_blocks == 0
-        assert (await store.get(before[0][0])).payload == before[0][2]
+        assert (await store.lookup(keys_of(chain("unknown", 2)), NAMESPACE)).num_blocks == 0
+        assert (await store.get(before[0][0], NAMESPACE)).payload == before[0][2]
         assert store.stats().tiers[1].healthy is False
         redis_server.start()
         await asyncio.sleep(0.2)
         after = chain("after", 1)
         await put_all(store, after)
-        assert await store.tier("redis").tier.contains(after[0][0])
+        assert await store.tier("redis").tier.contains(after[0][0] + NAMESPACE)
         assert store.stats().tiers[1].healthy is True
 
 
@@ -315,7 +320,7 @@ async def test_bad_blocks_name_the_problem(make_store) -> None:
         with pytest.raises(InvalidBlockError, match=r"num_tokens must be in 1\.\.16, got 17"):
             await store.put(key, parent, bad_meta, payload)
         with pytest.raises(InvalidBlockError, match="key must be 32 bytes"):
-            await store.get(os.urandom(31))
+            await store.get(os.urandom(31), NAMESPACE)
     with pytest.raises(StoreClosedError):
         await store.put(key, parent, META, payload)
 
@@ -330,7 +335,7 @@ async def test_many_tasks_racing_eviction_never_see_wrong_bytes(make_store) -> N
             for _ in range(3):
                 await put_all(store, blocks)
                 for key, _, payload in blocks:
-                    block = await store.get(key)
+                    block = await store.get(key, NAMESPACE)
                     if block is not None and block.payload != payload:
                         wrong.append(name)
 
@@ -341,20 +346,20 @@ async def test_many_tasks_racing_eviction_never_see_wrong_bytes(make_store) -> N
         in_host = [n for n in store.index.nodes() if "host" in n.tiers]
         in_ssd = [n for n in store.index.nodes() if "ssd" in n.tiers]
         assert host.usage() == len(in_host) * BLOCK
-        assert sorted(ssd.keys()) == sorted(n.key for n in in_ssd)
+        assert sorted(ssd.keys()) == sorted(n.id for n in in_ssd)
         assert all(n.leases == 0 and n.busy == 0 for n in store.index.nodes())
         assert host.usage() <= host.capacity() and ssd.usage() <= ssd.capacity()
         # Everything still indexed reads back bit-exact.
         payloads = {key: payload for blocks in chains.values() for key, _, payload in blocks}
         for node in store.index.nodes():
-            block = await store.get(node.key)
+            block = await store.get(node.key, NAMESPACE)
             assert block is not None and block.payload == payloads[node.key]
 
 
 async def test_scheduler_aware_eviction_keeps_hinted_sessions(tmp_path: Path) -> None:
     from kvstore.policies import SchedulerAwarePolicy
 
-    host = HostTier(3 * BLOCK, directory=tmp_path)
+    host = HostTier(3 * BLOCK)
     store = BlockStore(
         [StoreTier(host, None, write_policy("write_through", 1))],
         eviction=SchedulerAwarePolicy(),
@@ -365,16 +370,16 @@ async def test_scheduler_aware_eviction_keeps_hinted_sessions(tmp_path: Path) ->
         queued, idle = chain("queued", 1), chain("idle", 1)
         await put_all(store, queued + idle)  # LRU order: queued, idle
         # Step 1: the engine says the "queued" session runs next.
-        assert await store.prefetch(keys_of(queued)) == 1
-        assert store.policy.protected(queued[0][0])
+        assert await store.prefetch(keys_of(queued), NAMESPACE) == 1
+        assert store.policy.protected(queued[0][0] + NAMESPACE)
         # Step 2: pressure. Plain LRU would drop "queued" (the oldest); this drops "idle".
         await put_all(store, chain("new1", 1) + chain("new2", 1))
-        assert (await store.lookup(keys_of(queued))).num_blocks == 1
-        assert (await store.lookup(keys_of(idle))).num_blocks == 0
+        assert (await store.lookup(keys_of(queued), NAMESPACE)).num_blocks == 1
+        assert (await store.lookup(keys_of(idle), NAMESPACE)).num_blocks == 0
         # Step 3: with only hinted blocks left to go, a put finds no room rather than drop one.
-        held = store.pin(keys_of(chain("new1", 1)) + keys_of(chain("new2", 1)))
+        held = store.pin(keys_of(chain("new1", 1)) + keys_of(chain("new2", 1)), NAMESPACE)
         assert await put_all(store, chain("new3", 1)) == [PutStatus.NO_SPACE]
         await store.release(held.lease_id)
         # Step 4: its turn came (a read): plain LRU again.
-        await store.get(queued[0][0])
-        assert not store.policy.protected(queued[0][0])
+        await store.get(queued[0][0], NAMESPACE)
+        assert not store.policy.protected(queued[0][0] + NAMESPACE)

@@ -65,7 +65,7 @@ class Daemon:
         self.log_path = self.workdir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         sections: dict[str, dict[str, object]] = {
-            "host": {"capacity": host_capacity, "directory": str(self.workdir / "shm")},
+            "host": {"capacity": host_capacity},
             "ssd": {
                 "enabled": ssd_capacity is not None,
                 "directory": str(self.workdir / "ssd"),
@@ -77,7 +77,6 @@ class Daemon:
         }
         for section, values in (settings or {}).items():
             sections.setdefault(section, {}).update(values)
-        (self.workdir / "shm").mkdir(exist_ok=True)
         self.config_path.write_text(_toml(sections))
 
     @property

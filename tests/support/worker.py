@@ -4,24 +4,26 @@ Modes:
 
 - ``roundtrip ADDRESS NAME SHM``: puts the shared chain and a chain of its own, reads both
   back through the chosen data plane, and prints a JSON report (statuses, bit-exactness).
-- ``hold ADDRESS``: puts two blocks, leases them, reserves two more and half-writes one,
-  prints ``ready`` and sleeps, so a test can SIGKILL it while it holds all of that.
+- ``hold ADDRESS``: puts two blocks, leases them, reserves two more through an shm session
+  and half-writes one into its staging slot, prints a report and sleeps, so a test can
+  SIGKILL it while it holds all of that.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import sys
 import time
 
 import grpc
 
 from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.client.shm import ShmSession
 from kvstore.client.wire import block_specs, fingerprint_message
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.shm_wire import Hello
 
 MODEL = ModelFingerprint(
     "tiny-test", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16
@@ -68,15 +70,19 @@ def hold(address: str) -> None:
         pb.RegisterNamespaceRequest(model=fingerprint_message(MODEL), tenant="tests")
     ).namespace
     acquired = stub.Acquire(pb.AcquireRequest(namespace=ns, keys=keys[:2]))
+    session = ShmSession._open_blocking(info.shm_socket, Hello("", "tests", 1 << 20))
     specs = block_specs(keys[2:], keys[1], MODEL.block_tokens)
-    reserved = stub.Reserve(pb.ReserveRequest(namespace=ns, blocks=specs))
-    with open(info.arena_path, "r+b") as handle:
-        arena = mmap.mmap(handle.fileno(), info.arena_bytes)
-        slot = reserved.reservations[0].slot
-        arena[slot.offset : slot.offset + BLOCK // 2] = payload(keys[2])[: BLOCK // 2]
-        report = {"lease_slots": len(acquired.slots), "reserved": len(reserved.reservations)}
-        print(json.dumps(report), flush=True)
-        time.sleep(3600)
+    reserved = stub.Reserve(
+        pb.ReserveRequest(namespace=ns, blocks=specs, session=session.session_id)
+    )
+    slot = reserved.reservations[0].slot
+    with session.staging.view(slot.offset, slot.length) as view:
+        assert view.readonly  # a view is for reading: write through the mapping
+    half = session.staging.tensor(slot.offset, BLOCK // 2)
+    half.numpy()[:] = memoryview(payload(keys[2])[: BLOCK // 2])
+    report = {"lease_slots": len(acquired.slots), "reserved": len(reserved.reservations)}
+    print(json.dumps(report), flush=True)
+    time.sleep(3600)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> MakeTier:
     async def factory(capacity: int) -> AsyncIterator[Tier]:
         tier: Tier
         if kind == "host":
-            tier = HostTier(capacity, directory=tmp_path)
+            tier = HostTier(capacity)
         elif kind == "ssd":
             tier = SsdTier(tmp_path / f"ssd-{next(counter)}", capacity)
         else:

@@ -1,10 +1,13 @@
-"""HostTier beyond the contract: the arena file, the reserve/commit data plane, another
-process reading and writing slots in place, and copies in flight racing deletes and closes.
+"""HostTier beyond the contract: the arenas (memfds, one per partition, read-only for
+clients), the reserve/commit data plane, another process reading slots in place, memory
+given back when a range changes partition, and copies in flight racing deletes and closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import mmap
 import os
 import random
 import stat
@@ -24,6 +27,7 @@ from kvstore.tiers.host import (
     ReservationExistsError,
     ReservationNotFoundError,
     Slot,
+    SlotExistsError,
 )
 
 PAGE = 4096
@@ -33,31 +37,47 @@ BIG = 32 * MIB  # well past COPY_IN_THREAD_BYTES: copies run in a worker thread
 
 @pytest.fixture
 async def tier(tmp_path: Path) -> AsyncIterator[HostTier]:
-    async with HostTier(16 * MIB, directory=tmp_path) as host:
+    async with HostTier(16 * MIB) as host:
         yield host
 
 
-def run_child(code: str, *args: object) -> bytes:
-    """Runs ``code`` in a fresh interpreter with ``args`` in ``sys.argv[1:]``."""
-    done = subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], capture_output=True, timeout=60
+def run_child(code: str, fd: int, *args: object) -> subprocess.CompletedProcess[bytes]:
+    """Runs ``code`` in a fresh interpreter that inherits ``fd`` (``sys.argv[1]``)."""
+    return subprocess.run(
+        [sys.executable, "-c", code, str(fd), *map(str, args)],
+        capture_output=True,
+        timeout=60,
+        pass_fds=(fd,),
     )
-    assert done.returncode == 0, done.stderr.decode()
-    return done.stdout
 
 
 READ_SLOT = """
 import mmap, sys
-path, offset, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as arena:
+fd, offset, length = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as arena:
     sys.stdout.buffer.write(arena[offset : offset + length])
 """
 
-WRITE_SLOT = """
-import mmap, random, sys
-path, offset, length, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
-    arena[offset : offset + length] = random.Random(seed).randbytes(length)
+# Every way a client holding the read-only descriptor could try to write or resize the arena.
+TAMPER = """
+import mmap, os, sys
+fd = int(sys.argv[1])
+attempts = {
+    "map writable": lambda: mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+    "write": lambda: os.write(fd, b"x"),
+    "truncate": lambda: os.ftruncate(fd, 0),
+    "reopen writable": lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDWR),
+}
+if len(sys.argv) > 2:
+    os.setgid(65534)
+    os.setuid(65534)  # another user, as a containerised engine would be
+for name, attempt in attempts.items():
+    try:
+        attempt()
+    except OSError as error:
+        print(name, "refused", error.errno)
+    else:
+        print(name, "ALLOWED")
 """
 
 
@@ -75,29 +95,78 @@ def test_bad_arguments_name_the_value(kwargs: dict[str, int], message: str) -> N
         HostTier(**kwargs)
 
 
-async def test_arena_file_lives_from_start_to_aclose(tmp_path: Path) -> None:
-    host = HostTier(MIB + PAGE, directory=tmp_path)
+async def test_an_arena_is_a_sealed_memfd_that_lives_until_aclose() -> None:
+    host = HostTier(MIB + PAGE)
     with pytest.raises(TierClosedError, match="not started"):
-        _ = host.arena_path
+        host.arena("")
     async with host:
-        path = host.arena_path
-        assert path.parent == tmp_path
-        assert path.name.startswith(f"kvstore-{os.getpid()}-") and path.suffix == ".arena"
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert path.stat().st_size == host.arena_bytes == MIB + PAGE
-    assert not path.exists()
-    assert os.listdir(tmp_path) == []
+        arena = host.arena("")
+        assert arena.size == MIB + PAGE and len(arena.arena_id) == 16
+        assert host.arena("") == arena  # one arena per partition, made once
+        assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:kvstore-arena")
+        assert fcntl.fcntl(arena.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        seals = fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+        assert stat.S_IMODE(os.fstat(arena.fd).st_mode) == 0o400
+        fd = arena.fd
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed with the tier: nothing is left behind
     with pytest.raises(TierClosedError, match="closed"):
         host.reserve(b"k", 1)
     with pytest.raises(TierClosedError, match="cannot be restarted"):
         await host.start()
 
 
-async def test_two_tiers_get_two_arenas(tmp_path: Path) -> None:
-    async with HostTier(MIB, directory=tmp_path) as a, HostTier(MIB, directory=tmp_path) as b:
-        assert a.arena_path != b.arena_path
+async def test_two_tiers_get_two_arenas() -> None:
+    async with HostTier(MIB) as a, HostTier(MIB) as b:
+        assert a.arena("").arena_id != b.arena("").arena_id
         await a.put(b"k", b"a")
         assert await b.get(b"k") is None
+
+
+async def test_partitions_get_their_own_arena_and_nothing_else() -> None:
+    async with HostTier(MIB, partition_of=lambda key: key[:1].decode()) as host:
+        await host.put(b"a1", b"A" * PAGE)
+        await host.put(b"b1", b"B" * PAGE)
+        a, b = host.arena("a"), host.arena("b")
+        assert a.arena_id != b.arena_id
+        slot_a, slot_b = host.locate(b"a1"), host.locate(b"b1")
+        with mmap.mmap(a.fd, a.size, mmap.MAP_SHARED, mmap.PROT_READ) as seen_by_a:
+            assert seen_by_a[slot_a.offset : slot_a.end] == b"A" * PAGE
+            assert seen_by_a[slot_b.offset : slot_b.end] == bytes(PAGE)  # B's bytes: not here
+        assert host.usage() == 2 * PAGE  # one capacity for every partition
+
+
+async def test_a_range_that_changes_partition_is_given_back_by_the_old_one() -> None:
+    async with HostTier(4 * PAGE, partition_of=lambda key: key[:1].decode()) as host:
+        await host.put(b"a", b"A" * 4 * PAGE)
+        slot = host.locate(b"a")
+        a = host.arena("a")
+        await host.delete(b"a")
+        with mmap.mmap(a.fd, a.size, mmap.MAP_SHARED, mmap.PROT_READ) as seen_by_a:
+            assert seen_by_a[0 : 4 * PAGE] == b"A" * 4 * PAGE  # kept: A may reuse it, no faults
+            await host.put(b"b", b"B" * 4 * PAGE)  # the same range, now partition b's
+            assert host.locate(b"b") == slot
+            assert seen_by_a[0 : 4 * PAGE] == bytes(4 * PAGE)  # A's pages were released
+        assert await host.get(b"b") == b"B" * 4 * PAGE
+
+
+@pytest.mark.parametrize("other_user", [False, True])
+async def test_a_client_cannot_write_resize_or_reopen_the_arena(other_user: bool) -> None:
+    if other_user and os.geteuid() != 0:
+        pytest.skip("switching to another user needs root")
+    async with HostTier(MIB) as host:
+        await host.put(b"k", b"kv" * PAGE)
+        arena = host.arena("")
+        done = run_child(TAMPER, arena.fd, *(["other-user"] if other_user else []))
+        assert done.returncode == 0, done.stderr.decode()
+        lines = done.stdout.decode().splitlines()
+        refused = {line.split(" refused")[0] for line in lines if " refused " in line}
+        expected = {"map writable", "write", "truncate"}
+        if other_user or os.geteuid() != 0:  # root may reopen anything; another user may not
+            expected.add("reopen writable")
+        assert expected <= refused, lines
+        assert await host.get(b"k") == b"kv" * PAGE
 
 
 async def test_reservation_is_invisible_until_commit(tier: HostTier) -> None:
@@ -128,22 +197,21 @@ async def test_abort_frees_and_a_second_reserve_raises(tier: HostTier) -> None:
         tier.commit(b"k")
 
 
-async def test_commit_replaces_the_old_blob_and_frees_it(tier: HostTier) -> None:
+async def test_a_commit_never_lands_over_a_committed_blob(tier: HostTier) -> None:
     await tier.put(b"k", b"old" * 2000)
     old = tier.locate(b"k")
-    used = tier.usage()
     slot = tier.reserve(b"k", 6000)
     assert slot is not None and slot != old
-    assert await tier.get(b"k") == b"old" * 2000  # the committed blob stays visible meanwhile
     with tier.view(slot) as view:
         view[:] = b"new" * 2000
-    tier.commit(b"k")
-    assert await tier.get(b"k") == b"new" * 2000
-    assert tier.usage() == used
+    with pytest.raises(SlotExistsError, match=b"k".hex()):
+        tier.commit(b"k")
+    assert await tier.get(b"k") == b"old" * 2000 and tier.locate(b"k") == old
+    assert tier.abort(b"k") is True  # the reservation stayed pending; abort frees it
 
 
 async def test_reserve_refuses_when_full_and_raises_when_never_fits(tmp_path: Path) -> None:
-    async with HostTier(4 * PAGE, directory=tmp_path) as host:
+    async with HostTier(4 * PAGE) as host:
         assert host.reserve(b"a", 3 * PAGE) is not None
         assert host.reserve(b"b", 2 * PAGE) is None
         with pytest.raises(BlobTooLargeError, match="16384"):
@@ -156,27 +224,19 @@ async def test_reserve_refuses_when_full_and_raises_when_never_fits(tmp_path: Pa
 
 async def test_view_outside_the_arena_and_unpin_of_unpinned_raise(tier: HostTier) -> None:
     with pytest.raises(InvalidSlotError):
-        tier.view(Slot(tier.arena_bytes - PAGE, PAGE + 1))
+        tier.view(Slot(tier.capacity() - PAGE, PAGE + 1))
     with pytest.raises(InvalidSlotError, match="not pinned"):
         tier.unpin(Slot(0, 1))
 
 
-async def test_another_process_reads_and_writes_slots_in_place(tier: HostTier) -> None:
+async def test_another_process_reads_slots_in_place(tier: HostTier) -> None:
     blob = random.Random(2).randbytes(3 * MIB + 7)
     assert await tier.put(b"written-here", blob)
     slot = tier.locate(b"written-here")
     assert slot is not None
-    assert run_child(READ_SLOT, tier.arena_path, slot.offset, slot.length) == blob
-
-    length, seed = 2 * MIB + 12_345, 99
-    reserved = tier.reserve(b"written-there", length)
-    assert reserved is not None
-    run_child(WRITE_SLOT, tier.arena_path, reserved.offset, length, seed)
-    tier.commit(b"written-there")
-    expected = random.Random(seed).randbytes(length)
-    assert await tier.get(b"written-there") == expected
-    assert await tier.get_range(b"written-there", MIB, 100) == expected[MIB : MIB + 100]
-    assert await tier.get(b"written-here") == blob
+    done = run_child(READ_SLOT, tier.arena("").fd, slot.offset, slot.length)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout == blob
 
 
 async def test_large_copies_are_bit_exact_for_any_buffer(tier: HostTier) -> None:
@@ -195,7 +255,7 @@ async def test_large_copies_are_bit_exact_for_any_buffer(tier: HostTier) -> None
 
 
 async def test_delete_during_a_large_get_keeps_its_bytes(tmp_path: Path) -> None:
-    async with HostTier(BIG, directory=tmp_path) as host:  # room for exactly one blob
+    async with HostTier(BIG) as host:  # room for exactly one blob
         first, second = os.urandom(BIG), os.urandom(BIG)
         assert await host.put(b"a", first)
         reading = asyncio.create_task(host.get(b"a"))
@@ -210,7 +270,7 @@ async def test_delete_during_a_large_get_keeps_its_bytes(tmp_path: Path) -> None
 
 
 async def test_replace_during_large_gets_keeps_each_result_whole(tmp_path: Path) -> None:
-    async with HostTier(3 * BIG, directory=tmp_path) as host:
+    async with HostTier(3 * BIG) as host:
         old, new = os.urandom(BIG), os.urandom(BIG)
         assert await host.put(b"k", old)
         reads = [asyncio.create_task(host.get(b"k")) for _ in range(2)]
@@ -223,7 +283,7 @@ async def test_replace_during_large_gets_keeps_each_result_whole(tmp_path: Path)
 
 
 async def test_pin_defers_the_free_until_unpin(tmp_path: Path) -> None:
-    async with HostTier(4 * PAGE, directory=tmp_path) as host:
+    async with HostTier(4 * PAGE) as host:
         await host.put(b"a", b"x" * 3 * PAGE)
         slot = host.pin(b"a")
         assert slot is not None
@@ -238,7 +298,7 @@ async def test_pin_defers_the_free_until_unpin(tmp_path: Path) -> None:
 
 
 async def test_cancelled_get_holds_its_slot_until_the_copy_ends(tmp_path: Path) -> None:
-    async with HostTier(BIG, directory=tmp_path) as host:
+    async with HostTier(BIG) as host:
         await host.put(b"a", os.urandom(BIG))
         reading = asyncio.create_task(host.get(b"a"))
         await asyncio.sleep(0)
@@ -251,15 +311,13 @@ async def test_cancelled_get_holds_its_slot_until_the_copy_ends(tmp_path: Path) 
 
 
 async def test_aclose_waits_for_a_put_in_flight(tmp_path: Path) -> None:
-    host = HostTier(BIG, directory=tmp_path)
+    host = HostTier(BIG)
     await host.start()
-    path = host.arena_path
     writing = asyncio.create_task(host.put(b"a", os.urandom(BIG)))
     await asyncio.sleep(0)
     await host.aclose()
     with pytest.raises(TierClosedError):
         await writing
-    assert not path.exists()
     assert host.usage() == 0
     assert list(host.keys()) == []
 
@@ -274,24 +332,21 @@ async def test_put_leaves_a_pending_reservation_of_the_key_alone(tier: HostTier)
     slot = tier.reserve(b"k", 5)
     assert slot is not None
     assert await tier.put(b"k", b"put")
-    with tier.view(slot) as view:
-        view[:] = b"later"
-    tier.commit(b"k")
-    assert await tier.get(b"k") == b"later"
+    assert tier.usage() == 2 * PAGE
+    assert await tier.get(b"k") == b"put"
+    assert tier.abort(b"k") is True
     assert tier.usage() == PAGE
 
 
-async def test_aclose_with_a_view_still_alive_removes_the_file(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+async def test_aclose_with_a_view_still_alive_keeps_it_usable(
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    host = HostTier(MIB, directory=tmp_path)
+    host = HostTier(MIB)
     await host.start()
-    path = host.arena_path
     slot = host.reserve(b"k", 3)
     assert slot is not None
     view = host.view(slot)
     await host.aclose()
-    assert not path.exists()
     assert "views still alive" in caplog.text
     view[:] = b"abc"  # the mapping outlives the tier until the view goes
     view.release()
@@ -323,7 +378,7 @@ async def test_get_into_refuses_buffers_it_cannot_fill(tier: HostTier) -> None:
 
 
 async def test_delete_during_a_large_get_into_keeps_its_bytes(tmp_path: Path) -> None:
-    async with HostTier(BIG, directory=tmp_path) as host:  # room for exactly one blob
+    async with HostTier(BIG) as host:  # room for exactly one blob
         first = os.urandom(BIG)
         assert await host.put(b"a", first)
         out = bytearray(BIG)

@@ -15,12 +15,14 @@ class WriteStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_SPACE: _ClassVar[WriteStatus]
     STORED: _ClassVar[WriteStatus]
     EXPIRED: _ClassVar[WriteStatus]
+    CHECKSUM_MISMATCH: _ClassVar[WriteStatus]
 WRITE_STATUS_UNSPECIFIED: WriteStatus
 RESERVED: WriteStatus
 DEDUP: WriteStatus
 NO_SPACE: WriteStatus
 STORED: WriteStatus
 EXPIRED: WriteStatus
+CHECKSUM_MISMATCH: WriteStatus
 
 class Layout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "block_tokens", "head_dim", "dtype")
@@ -63,24 +65,22 @@ class HandshakeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("server_version", "arena_path", "arena_bytes", "arena_device", "arena_inode", "max_message_bytes", "chunk_bytes", "lease_seconds")
+    __slots__ = ("server_version", "max_message_bytes", "chunk_bytes", "lease_seconds", "shm_socket", "instance_id", "max_block_bytes")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
-    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
-    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
-    ARENA_DEVICE_FIELD_NUMBER: _ClassVar[int]
-    ARENA_INODE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     server_version: str
-    arena_path: str
-    arena_bytes: int
-    arena_device: int
-    arena_inode: int
     max_message_bytes: int
     chunk_bytes: int
     lease_seconds: float
-    def __init__(self, server_version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_device: _Optional[int] = ..., arena_inode: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    shm_socket: str
+    instance_id: bytes
+    max_block_bytes: int
+    def __init__(self, server_version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shm_socket: _Optional[str] = ..., instance_id: _Optional[bytes] = ..., max_block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model", "tenant")
@@ -121,28 +121,30 @@ class Slot(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_seconds")
+    __slots__ = ("namespace", "keys", "lease_seconds", "lease_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_seconds: float
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_seconds: _Optional[float] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "expires_in", "arena_device", "arena_inode")
+    __slots__ = ("lease_id", "slots", "expires_in", "arena_id", "checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
-    ARENA_DEVICE_FIELD_NUMBER: _ClassVar[int]
-    ARENA_INODE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     expires_in: float
-    arena_device: int
-    arena_inode: int
-    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., expires_in: _Optional[float] = ..., arena_device: _Optional[int] = ..., arena_inode: _Optional[int] = ...) -> None: ...
+    arena_id: bytes
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., expires_in: _Optional[float] = ..., arena_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -165,12 +167,14 @@ class BlockSpec(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "blocks")
+    __slots__ = ("namespace", "blocks", "session")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     blocks: _containers.RepeatedCompositeFieldContainer[BlockSpec]
-    def __init__(self, namespace: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockSpec, _Mapping]]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockSpec, _Mapping]]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("status", "slot")
@@ -181,24 +185,24 @@ class Reservation(_message.Message):
     def __init__(self, status: _Optional[_Union[WriteStatus, str]] = ..., slot: _Optional[_Union[Slot, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservations", "expires_in", "arena_device", "arena_inode")
+    __slots__ = ("reservations", "expires_in")
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
-    ARENA_DEVICE_FIELD_NUMBER: _ClassVar[int]
-    ARENA_INODE_FIELD_NUMBER: _ClassVar[int]
     reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
     expires_in: float
-    arena_device: int
-    arena_inode: int
-    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., expires_in: _Optional[float] = ..., arena_device: _Optional[int] = ..., arena_inode: _Optional[int] = ...) -> None: ...
+    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "session", "checksums")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    session: bytes
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("statuses",)
@@ -207,12 +211,14 @@ class CommitResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[WriteStatus, str]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "session")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
@@ -227,26 +233,30 @@ class GetRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetChunk(_message.Message):
-    __slots__ = ("index", "data", "last", "tier")
+    __slots__ = ("index", "data", "last", "tier", "checksum")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     index: int
     data: bytes
     last: bool
     tier: str
-    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., tier: _Optional[str] = ...) -> None: ...
+    checksum: int
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., tier: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutChunk(_message.Message):
-    __slots__ = ("namespace", "block", "data")
+    __slots__ = ("namespace", "block", "data", "checksum")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block: BlockSpec
     data: bytes
-    def __init__(self, namespace: _Optional[bytes] = ..., block: _Optional[_Union[BlockSpec, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    checksum: int
+    def __init__(self, namespace: _Optional[bytes] = ..., block: _Optional[_Union[BlockSpec, _Mapping]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("statuses",)
@@ -313,7 +323,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., usage_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "blocks", "puts", "dedup_puts", "gets", "misses", "promotions", "demotions", "dropped_saves", "corrupt_blocks", "active_leases", "active_reservations", "lookups", "lookup_hit_blocks")
+    __slots__ = ("tiers", "blocks", "puts", "dedup_puts", "gets", "misses", "promotions", "demotions", "dropped_saves", "corrupt_blocks", "active_leases", "active_reservations", "lookups", "lookup_hit_blocks", "corrupt_writes")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PUTS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +338,7 @@ class StatsResponse(_message.Message):
     ACTIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_WRITES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     blocks: int
     puts: int
@@ -342,4 +353,5 @@ class StatsResponse(_message.Message):
     active_reservations: int
     lookups: int
     lookup_hit_blocks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., puts: _Optional[int] = ..., dedup_puts: _Optional[int] = ..., gets: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_saves: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ...) -> None: ...
+    corrupt_writes: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., puts: _Optional[int] = ..., dedup_puts: _Optional[int] = ..., gets: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_saves: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., corrupt_writes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,355 @@
+"""Shared-memory sessions: each co-located client's view of its tenant's arena and its own
+staging area, handed over a unix socket (protocol: :mod:`kvstore.shm_wire`).
+
+What a session gives a client, and nothing more:
+
+- its tenant's host arena, as a *read-only* descriptor: it reads leased slots in place, but
+  cannot write, resize or reopen the arena writable (see :mod:`kvstore.tiers.host`); it never
+  receives another tenant's arena;
+- a *staging area* of its own (a sealed memfd, writable by that client only): a put writes
+  its payloads there, at the slots ``Reserve`` names, and ``Commit`` has the daemon copy them
+  into the arena and check their checksums. A writer can therefore only ever write its own
+  staging slots; a block becomes visible only as the daemon copied and checked it.
+
+``SessionServer`` owns the socket and the sessions: ``start()`` binds it (mode
+``socket_mode``) and accepts; each connection authenticates once with a bearer token (or,
+without tokens, names its tenant), gets its two descriptors, and stays open as the session.
+``get(session_id, tenant)`` finds a caller's session (a session of another tenant is "not
+found"); when a connection closes, ``on_close(session)`` lets the service abort what the
+session left reserved, and the staging area is unmapped once no copy reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from kvstore.errors import (
+    InvalidRequestError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    StoreError,
+    UnauthenticatedError,
+    UnknownSessionError,
+)
+from kvstore.shm_wire import (
+    MAX_LINE_BYTES,
+    SessionError,
+    SessionInfo,
+    decode_hello,
+    encode_refusal,
+    encode_welcome,
+)
+from kvstore.sockets import prepare_socket_path
+from kvstore.store import BlockStore
+from kvstore.tiers.allocator import ArenaAllocator, Slot
+
+__all__ = ["Session", "SessionServer"]
+
+log = logging.getLogger(__name__)
+
+HELLO_SECONDS = 5.0  # a connection that has not said hello by then is dropped
+PAGE = mmap.PAGESIZE
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_CODES: dict[type[StoreError], str] = {
+    UnauthenticatedError: "UNAUTHENTICATED",
+    PermissionDeniedError: "PERMISSION_DENIED",
+    ResourceExhaustedError: "RESOURCE_EXHAUSTED",
+    InvalidRequestError: "INVALID_ARGUMENT",
+}
+
+
+class Session:
+    """One client's staging area and the reservations it has in flight."""
+
+    def __init__(self, tenant: str, staging_bytes: int, peer: str) -> None:
+        self.id = secrets.token_bytes(16)
+        self.tenant = tenant
+        self.peer = peer
+        self.staging_bytes = staging_bytes
+        self._fd = os.memfd_create("kvstore-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self._fd, staging_bytes)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._map: mmap.mmap | None = mmap.mmap(
+                self._fd, staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ
+            )
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._allocator = ArenaAllocator(staging_bytes, page_bytes=PAGE)
+        self.slots: dict[bytes, Slot] = {}  # block id -> its staging slot, while reserved
+        self.closed = False
+
+    def take_fd(self) -> int:
+        """The staging area's writable descriptor, for the client (the session forgets it)."""
+        fd, self._fd = self._fd, -1
+        return fd
+
+    def take(self, block: bytes, size: int) -> Slot | None:
+        """A staging slot for ``block``, or None when the staging area is full."""
+        if block in self.slots or size > self._allocator.capacity_bytes:
+            return None
+        slot = self._allocator.allocate(size)
+        if slot is not None:
+            self.slots[block] = slot
+        return slot
+
+    def give(self, block: bytes) -> None:
+        """Frees the staging slot of ``block`` (reservation committed, aborted or expired)."""
+        slot = self.slots.pop(block, None)
+        if slot is not None:
+            self._allocator.free(slot)
+
+    def view(self, slot: Slot) -> memoryview:
+        """A read-only view of a staging slot (the client writes it; the daemon copies it)."""
+        if self._map is None:
+            raise UnknownSessionError("the shm session is closed")
+        with memoryview(self._map) as whole:
+            return whole[slot.offset : slot.end]
+
+    def close(self) -> None:
+        """Unmaps the staging area (a copy still reading it keeps it until it is done)."""
+        self.closed = True
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a commit still copies: freed with its view
+                self._map.close()
+            self._map = None
+
+
+class SessionServer:
+    """The session socket and its sessions; see the module docstring.
+
+    Args:
+        path: The unix socket to listen on.
+        socket_mode: Its permissions, e.g. ``0o600``.
+        store: The block store (its host tier's arenas).
+        tenant_of: The tenant of a bearer token (``None``: tokens are off); raises
+            ``UnauthenticatedError`` for a bad token.
+        on_close: Called when a session ends, before its staging area is unmapped.
+        instance_id: Names this daemon process (as the Handshake does).
+        max_staging_bytes: The most staging one session may have.
+        max_sessions: The most sessions open at once.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        socket_mode: int,
+        store: BlockStore,
+        tenant_of: Callable[[str], str | None],
+        on_close: Callable[[Session], Awaitable[None]],
+        instance_id: bytes,
+        max_staging_bytes: int,
+        max_sessions: int,
+    ) -> None:
+        self.path = path
+        self._mode = socket_mode
+        self._store = store
+        self._tenant_of = tenant_of
+        self._on_close = on_close
+        self._instance_id = instance_id
+        self._max_staging = max_staging_bytes
+        self._max_sessions = max_sessions
+        self._sessions: dict[bytes, Session] = {}
+        self._socket: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def start(self) -> None:
+        """Binds the socket (refusing a path a live daemon holds) and starts accepting."""
+        prepare_socket_path(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.path))
+            os.chmod(self.path, self._mode)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._socket = sock
+        self._accepting = asyncio.create_task(self._accept(), name="shm-sessions-accept")
+        log.info("shm sessions on %s", self.path)
+
+    async def aclose(self) -> None:
+        """Stops accepting, ends every session and removes the socket."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+            self.path.unlink(missing_ok=True)
+
+    def get(self, session_id: bytes, tenant: str | None) -> Session:
+        """The caller's open session ``session_id``.
+
+        Raises:
+            UnknownSessionError: no such open session, or it is another tenant's.
+        """
+        session = self._sessions.get(session_id)
+        if session is None or session.closed or (tenant is not None and session.tenant != tenant):
+            raise UnknownSessionError(
+                f"shm session {session_id.hex()[:16] or '(none)'} is not open; open one on "
+                f"the daemon's shm_socket"
+            )
+        return session
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._socket is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._socket)
+            task = asyncio.create_task(self._serve(conn), name="shm-session")
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        session: Session | None = None
+        with conn:
+            conn.setblocking(False)
+            peer = _peer(conn)
+            try:
+                line = await asyncio.wait_for(_read_line(loop, conn), HELLO_SECONDS)
+                session = self._open(line, peer)
+                await self._welcome(loop, conn, session)
+            except (TimeoutError, OSError) as error:
+                log.info("shm session from %s dropped before it opened: %s", peer, error)
+                if session is not None:
+                    await self._end(session)
+                return
+            except SessionError as error:
+                await _send_quietly(loop, conn, encode_refusal(error.code, str(error)))
+                log.info("shm session from %s refused: %s", peer, error)
+                return
+            try:
+                while await loop.sock_recv(conn, 4096):
+                    pass  # the session lasts until the client closes the connection
+            except OSError:
+                pass
+            finally:
+                await self._end(session)
+
+    def _open(self, line: bytes, peer: str) -> Session:
+        hello = decode_hello(line)
+        try:
+            caller = self._tenant_of(hello.token)
+            if caller is not None and hello.tenant not in ("", caller):
+                raise PermissionDeniedError(
+                    f"a token of tenant {caller!r} cannot open a session for {hello.tenant!r}"
+                )
+            if len(self._sessions) >= self._max_sessions:
+                raise ResourceExhaustedError(
+                    f"{len(self._sessions)} shm sessions are open (server.max_sessions)"
+                )
+        except StoreError as error:
+            raise SessionError(_code(error), str(error)) from None
+        tenant = hello.tenant if caller is None else caller
+        if not self._store.has_arena:
+            raise SessionError("FAILED_PRECONDITION", "the daemon has no host tier")
+        wanted = min(hello.staging_bytes or self._max_staging, self._max_staging)
+        session = Session(tenant, max(PAGE, -(-wanted // PAGE) * PAGE), peer)
+        self._sessions[session.id] = session
+        log.info("shm session %s opened for tenant %r by %s", session.id.hex()[:8], tenant, peer)
+        return session
+
+    def _info(self, session: Session) -> SessionInfo:
+        arena = self._store.arena(session.tenant)
+        assert arena is not None
+        return SessionInfo(
+            self._instance_id, session.id, arena.arena_id, arena.size, session.staging_bytes
+        )
+
+    async def _welcome(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, session: Session
+    ) -> None:
+        arena = self._store.arena(session.tenant)
+        assert arena is not None
+        staging_fd = session.take_fd()  # the client's now: this process keeps only its mapping
+        try:
+            await _send_with_fds(
+                loop, conn, encode_welcome(self._info(session)), [arena.fd, staging_fd]
+            )
+        finally:
+            os.close(staging_fd)
+
+    async def _end(self, session: Session) -> None:
+        self._sessions.pop(session.id, None)
+        try:
+            await self._on_close(session)
+        except Exception:
+            log.exception("cleaning up shm session %s failed", session.id.hex()[:8])
+        session.close()
+        log.info("shm session %s closed", session.id.hex()[:8])
+
+
+def _code(error: StoreError) -> str:
+    for cls in type(error).__mro__:
+        if cls in _CODES:
+            return _CODES[cls]
+    return "INTERNAL"
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return "an unknown peer"
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return f"pid {pid} uid {uid}"
+
+
+async def _read_line(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = await loop.sock_recv(conn, MAX_LINE_BYTES)
+        if not chunk:
+            raise OSError("the client closed the connection")
+        data += chunk
+        if len(data) > MAX_LINE_BYTES:
+            raise SessionError("INVALID_ARGUMENT", f"a hello over {MAX_LINE_BYTES} bytes")
+    return bytes(data)
+
+
+async def _send_with_fds(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fds: list[int]
+) -> None:
+    """Sends ``data`` with ``fds`` attached (one small message: it fits the socket buffer)."""
+    for _ in range(1000):
+        try:
+            sent = socket.send_fds(conn, [data], fds)
+        except BlockingIOError:
+            await asyncio.sleep(0.001)
+            continue
+        if sent < len(data):
+            await loop.sock_sendall(conn, data[sent:])
+        return
+    raise OSError("the shm session socket stayed full")
+
+
+async def _send_quietly(loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        await asyncio.wait_for(loop.sock_sendall(conn, data), HELLO_SECONDS)
