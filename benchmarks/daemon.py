@@ -3,17 +3,21 @@
     python benchmarks/daemon.py [--sizes 2MiB,32MiB] [--blocks N] [--rounds R]
                                 [--lookups L] [--json out.json]
 
-Starts a real daemon (``python -m kvstore serve --config <temp toml>``: a host arena on tmpfs
-sized for the run, SSD and Redis off, a unix socket in a temporary directory) and, as a second
-child process, the raw gRPC server of ``raw_grpc.py``. Then, with the real client,
-for every block size ``N`` blocks of KV-like bytes (``torch.randn`` float16) are moved as one
-key chain per call:
+Starts a real daemon (``python -m kvstore serve --config <temp toml>``: a host tier sized for
+the run, SSD and Redis off, a unix socket in a temporary directory) and, as a second child
+process, the raw gRPC server of ``raw_grpc.py``. Then, with the real client, for every block
+size ``N`` blocks of KV-like bytes (``torch.randn`` float16) are moved as one key chain per
+call:
 
-- shm (``AsyncKVStoreClient(use_shm=True)``): ``put`` (Reserve, copy into the arena, Commit),
-  ``get`` into preallocated, pre-faulted ``out`` tensors (Acquire, copy, Release), and
+- shm (``AsyncKVStoreClient(use_shm=True)``, through an shm session): ``put`` (Reserve, copy
+  into the session's staging area, Commit: the daemon copies the blocks into the tenant's
+  arena and takes their xxh3-64), ``get`` into preallocated, pre-faulted ``out`` tensors
+  (Acquire, copy out of the read-only arena, Release), the same ``get`` by a client made with
+  ``verify=True`` (each block's xxh3-64 checked against the one recorded at commit), and
   ``view`` (Acquire, zero-copy views, Release; shown for information). Limit:
   ``torch.Tensor.copy_`` of the same blocks between preallocated tensors (block i into region
-  i, region i into out i), the copy the client itself runs.
+  i, region i into out i), the copy the client itself runs. The checksum alone (xxh3-64 of the
+  blocks, one thread) is shown as an info row.
 - stream (``use_shm=False``): the Put and Get streams, ``get`` into the same ``out`` tensors.
   Limit: the raw server on a unix socket, plain bytes messages (no protobuf) of the daemon's
   ``chunk_bytes`` under its ``max_message_bytes``: a sink the same blocks are streamed to (one
@@ -51,6 +55,7 @@ import torch
 import uvloop
 from raw_grpc import RawClient, child, raw_server_command, serving
 
+from kvstore.blocks import payload_checksum
 from kvstore.client import AsyncKVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
 from kvstore.config import load_config
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
@@ -84,27 +89,22 @@ TOKEN_BYTES = 32 * 2 * KV_HEADS * HEAD_DIM * 2  # ... and 128 KiB for its 32 lay
 # The daemon ------------------------------------------------------------------------------
 
 
-def daemon_config(socket: Path, arena_dir: Path, arena_bytes: int) -> str:
+def daemon_config(socket: Path, arena_bytes: int) -> str:
     """A TOML config: host tier only, on a unix socket (sizes in MiB: the parser's units)."""
     return "\n".join(
         [
             "[host]",
             f'capacity = "{-(-arena_bytes // MIB)}MiB"',
-            f"directory = {json.dumps(str(arena_dir))}",
             "[ssd]",
             "enabled = false",
             "[redis]",
             "enabled = false",
             "[server]",
             f"listen = [{json.dumps(f'unix:{socket}')}]",
+            f'max_staging_bytes = "{-(-arena_bytes // MIB)}MiB"',
             "",
         ]
     )
-
-
-def arena_parent() -> str | None:
-    """tmpfs for the arena, like a deployed daemon's ``/dev/shm`` (else the default temp dir)."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 # Blocks and timing -----------------------------------------------------------------------
@@ -239,9 +239,22 @@ def raw_ops(raw: RawClient, chain: Chain, chunk_bytes: int) -> tuple[Timed, Time
     return put, get
 
 
+def checksum_op(chain: Chain) -> Timed:
+    """xxh3-64 of every block: what ``verify=True`` adds to a get."""
+
+    async def run() -> float:
+        start = time.perf_counter()
+        for block in chain.blocks:
+            payload_checksum(block.numpy().data)
+        return time.perf_counter() - start
+
+    return run
+
+
 @dataclass(frozen=True, slots=True)
 class Clients:
     shm: AsyncKVStoreClient
+    verified: AsyncKVStoreClient
     stream: AsyncKVStoreClient
     raw: RawClient
     chunk_bytes: int
@@ -261,6 +274,7 @@ class Versus:
 
 async def bench_size(clients: Clients, chain: Chain, rounds: int) -> list[Row]:
     shm_put, shm_get = client_ops(clients.shm, chain)
+    _, verified_get = client_ops(clients.verified, chain)
     stream_put, stream_get = client_ops(clients.stream, chain)
     raw_put, raw_get = raw_ops(clients.raw, chain, clients.chunk_bytes)
     copy_in, copy_out = memcpy_ops(chain)
@@ -270,7 +284,9 @@ async def bench_size(clients: Clients, chain: Chain, rounds: int) -> list[Row]:
     pairs = [
         Versus("shm", "put", shm_put, memcpy, copy_in, shm),
         Versus("shm", "get (out=)", shm_get, memcpy, copy_out, shm),
+        Versus("shm", "get (out=, verify)", verified_get, memcpy, copy_out, None),
         Versus("shm", "view (zero-copy)", view_op(clients.shm, chain), memcpy, copy_out, None),
+        Versus("-", "xxh3-64 of the blocks", checksum_op(chain), memcpy, copy_out, None),
         Versus("stream", "put", stream_put, grpc_raw, raw_put, stream),
         Versus("stream", "get (out=)", stream_get, grpc_raw, raw_get, stream),
     ]
@@ -363,15 +379,13 @@ def percentiles_ms(seconds: Sequence[float]) -> tuple[float, float]:
 # Running and reporting -------------------------------------------------------------------
 
 
-async def bench_all(
-    args: argparse.Namespace, scratch: Path, arena_dir: Path
-) -> tuple[list[Row], list[Latency]]:
+async def bench_all(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[Latency]]:
     counts = {size: args.blocks or default_blocks(size) for size in args.sizes}
     arena_bytes = 2 * max(size * count for size, count in counts.items()) + 64 * MIB
     config, sock, raw_sock = (
         scratch / name for name in ("kvstore.toml", "kvstore.sock", "raw.sock")
     )
-    config.write_text(daemon_config(sock, arena_dir, arena_bytes))
+    config.write_text(daemon_config(sock, arena_bytes))
     limit = load_config(config).server.max_message_bytes
     serve = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
     serve += ["--log-level", "warning"]
@@ -381,14 +395,17 @@ async def bench_all(
     async with child(serve, logs[0]) as daemon, child(raw_server, logs[1]) as raw_server_proc:
         await serving(daemon, f"unix:{sock}", logs[0])
         await serving(raw_server_proc, f"unix:{raw_sock}", logs[1])
+        staging = arena_bytes // 2
         async with (
-            AsyncKVStoreClient(f"unix:{sock}", use_shm=True, timeout=60) as shm,
+            AsyncKVStoreClient(f"unix:{sock}", timeout=60, staging_bytes=staging) as shm,
+            AsyncKVStoreClient(f"unix:{sock}", timeout=60, verify=True) as verified,
             AsyncKVStoreClient(f"unix:{sock}", use_shm=False, timeout=60) as stream,
         ):
-            expect(shm.data_plane == "shm", "the client did not map the daemon's arena")
+            expect(shm.data_plane == "shm", "the client has no shm session")
             raw = RawClient(f"unix:{raw_sock}", limit)
             try:
-                clients = Clients(shm, stream, raw, shm.server_info.chunk_bytes)
+                chunk = shm.server_info.chunk_bytes
+                clients = Clients(shm, verified, stream, raw, chunk)
                 rows = await bench_sizes(clients, counts, args.rounds)
                 return rows, await bench_lookups(clients, args.lookups)
             finally:
@@ -466,12 +483,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     about = {key: value for key, value in machine().items() if key != "redis"}
     about |= {"grpc": grpc.__version__, "load avg": f"{os.getloadavg()[0]:.2f}"}
     scratch = Path(tempfile.mkdtemp(prefix="kvs-bench-"))  # short: a unix socket path
-    arena_dir = Path(tempfile.mkdtemp(prefix="kvs-bench-", dir=arena_parent()))
     try:
-        rows, latencies = uvloop.run(bench_all(args, scratch, arena_dir))
+        rows, latencies = uvloop.run(bench_all(args, scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(arena_dir, ignore_errors=True)
     print(render(rows, latencies, about))
     if args.json:
         report = {

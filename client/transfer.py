@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 TargetT = TypeVar("TargetT", bytearray, memoryview, torch.Tensor)
 M = TypeVar("M", bound=Message)
+PIPELINE_BYTES = 32 << 20  # a put's blocks per Reserve/Commit round trip, about
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,17 +134,23 @@ async def put_shm(
     verify: bool = False,
 ) -> list[WriteStatus]:
     """Reserve -> write -> Commit, in batches that fit the staging area; one final status
-    per block of ``size`` bytes."""
+    per block of ``size`` bytes.
+
+    Two batches are in flight at once: this process copies one into the staging area while
+    the daemon copies the one before into the arena.
+    """
     budget = session.budget
-    per_batch = max(1, budget.total // budget.slot_bytes(size))
-    statuses: list[WriteStatus] = []
-    for start in range(0, len(specs), per_batch):
-        batch = slice(start, start + per_batch)
-        async with budget.hold(budget.slot_bytes(size) * len(specs[batch])):
-            statuses += await _put_batch(
-                conn, session, digest, specs[batch], blocks[batch], size, verify
-            )
-    return statuses
+    slot = budget.slot_bytes(size)
+    per_batch = max(1, min(PIPELINE_BYTES, budget.total // 2) // slot)
+    lanes = asyncio.Semaphore(2)
+
+    async def batch(start: int) -> list[WriteStatus]:
+        part = slice(start, start + per_batch)
+        async with lanes, budget.hold(slot * len(specs[part])):
+            return await _put_batch(conn, session, digest, specs[part], blocks[part], size, verify)
+
+    done = await asyncio.gather(*(batch(start) for start in range(0, len(specs), per_batch)))
+    return [status for statuses in done for status in statuses]
 
 
 async def _put_batch(

@@ -61,7 +61,7 @@ from kvstore.index import BlockMeta
 from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.results import Acquired, Block, LookupResult, PutStatus, Reserved, StoreStats
 from kvstore.sessions import Session, SessionServer
-from kvstore.store import BlockStore
+from kvstore.store import BlockStore, Commit
 from kvstore.streams import ArenaStreams, HeldBlock, Landing
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import HostTier
@@ -426,25 +426,19 @@ class KVStoreService:
             )
         writer = self._session(session, tenant)
         sums = list(checksums) or [0] * len(keys)
-        return [
-            await self._commit_one(namespace, key, writer, total)
-            for key, total in zip(keys, sums, strict=True)
-        ]
-
-    async def _commit_one(
-        self, namespace: bytes, key: bytes, writer: Session, checksum: int
-    ) -> PutStatus:
-        block = key + namespace
-        staging = writer.slots.get(block)
-        if staging is None:
-            return PutStatus.EXPIRED
-        try:
-            with writer.view(staging) as source:
-                return await self._store.commit(
-                    key, namespace, owner=writer.id, source=source, checksum=checksum
-                )
-        finally:
-            writer.give(block)
+        staged = [writer.slots.get(key + namespace) for key in keys]
+        with contextlib.ExitStack() as views:
+            writes = [
+                Commit(key, namespace, writer.id, views.enter_context(writer.view(slot)), total)
+                for key, slot, total in zip(keys, staged, sums, strict=True)
+                if slot is not None
+            ]
+            try:
+                found = iter(await self._store.commit_many(writes))
+            finally:
+                for key in keys:
+                    writer.give(key + namespace)
+        return [PutStatus.EXPIRED if slot is None else next(found) for slot in staged]
 
     async def abort(
         self,

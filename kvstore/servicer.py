@@ -164,9 +164,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             log.exception("a kvstore call failed on a bug")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the daemon)")
 
-    async def Handshake(
-        self, request: object, context: Context
-    ) -> pb.HandshakeResponse:
+    async def Handshake(self, request: object, context: Context) -> pb.HandshakeResponse:
         async with self._call(context):
             checked(request, pb.HandshakeRequest)
             info = self._service.handshake()
@@ -189,17 +187,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             digest = self._service.register_namespace(model, request.tenant, caller=caller)
             return pb.RegisterNamespaceResponse(namespace=digest)
 
-    async def Lookup(
-        self, request: object, context: Context
-    ) -> pb.LookupResponse:
+    async def Lookup(self, request: object, context: Context) -> pb.LookupResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.LookupRequest)
             found = await self._service.lookup(request.namespace, list(request.keys), tenant=tenant)
             return pb.LookupResponse(num_blocks=found.num_blocks, tiers=found.tiers)
 
-    async def Acquire(
-        self, request: object, context: Context
-    ) -> pb.AcquireResponse:
+    async def Acquire(self, request: object, context: Context) -> pb.AcquireResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.AcquireRequest)
             acquired = await self._service.acquire(
@@ -217,17 +211,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 checksums=acquired.checksums,
             )
 
-    async def Release(
-        self, request: object, context: Context
-    ) -> pb.ReleaseResponse:
+    async def Release(self, request: object, context: Context) -> pb.ReleaseResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.ReleaseRequest)
             await self._service.release(request.lease_id, tenant=tenant)
             return pb.ReleaseResponse()
 
-    async def Reserve(
-        self, request: object, context: Context
-    ) -> pb.ReserveResponse:
+    async def Reserve(self, request: object, context: Context) -> pb.ReserveResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.ReserveRequest)
             specs = [BlockSpec(b.key, b.parent, b.num_tokens) for b in request.blocks]
@@ -247,9 +237,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 expires_in=reserved.expires_in,
             )
 
-    async def Commit(
-        self, request: object, context: Context
-    ) -> pb.CommitResponse:
+    async def Commit(self, request: object, context: Context) -> pb.CommitResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.CommitRequest)
             statuses = await self._service.commit(
@@ -261,9 +249,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             )
             return pb.CommitResponse(statuses=[_WRITE_STATUS[s] for s in statuses])
 
-    async def Abort(
-        self, request: object, context: Context
-    ) -> pb.AbortResponse:
+    async def Abort(self, request: object, context: Context) -> pb.AbortResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.AbortRequest)
             await self._service.abort(
@@ -271,9 +257,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             )
             return pb.AbortResponse()
 
-    async def Get(
-        self, request: object, context: Context
-    ) -> AsyncIterator[pb.GetChunk]:
+    async def Get(self, request: object, context: Context) -> AsyncIterator[pb.GetChunk]:
         async with self._call(context) as tenant:
             request = checked(request, pb.GetRequest)
             namespace, keys = request.namespace, list(request.keys)
@@ -313,9 +297,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             statuses = await _PutStream(self._service, tenant).run(request_iterator)
             return pb.PutResponse(statuses=[_WRITE_STATUS[s] for s in statuses])
 
-    async def Prefetch(
-        self, request: object, context: Context
-    ) -> pb.PrefetchResponse:
+    async def Prefetch(self, request: object, context: Context) -> pb.PrefetchResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.PrefetchRequest)
             count = await self._service.prefetch(
@@ -326,17 +308,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             )
             return pb.PrefetchResponse(num_blocks=count)
 
-    async def Delete(
-        self, request: object, context: Context
-    ) -> pb.DeleteResponse:
+    async def Delete(self, request: object, context: Context) -> pb.DeleteResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.DeleteRequest)
             count = await self._service.delete(request.namespace, list(request.keys), tenant=tenant)
             return pb.DeleteResponse(num_blocks=count)
 
-    async def Stats(
-        self, request: object, context: Context
-    ) -> pb.StatsResponse:
+    async def Stats(self, request: object, context: Context) -> pb.StatsResponse:
         async with self._call(context):
             checked(request, pb.StatsRequest)
             stats = self._service.stats()

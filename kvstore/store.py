@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Self
 
-from kvstore.arena import ArenaPlane
+from kvstore.arena import ArenaPlane, Commit
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
 from kvstore.index import BlockMeta, RadixIndex, block_id
@@ -66,6 +66,7 @@ __all__ = [
     "Acquired",
     "Block",
     "BlockStore",
+    "Commit",
     "Lease",
     "LookupResult",
     "PutStatus",
@@ -455,15 +456,18 @@ class BlockStore:
         checksum: int = 0,
     ) -> PutStatus:
         """Makes ``owner``'s reservation visible: STORED, EXPIRED without a live reservation,
-        CHECKSUM_MISMATCH when its bytes differ from ``checksum`` (see
+        CHECKSUM_MISMATCH when its bytes differ from ``checksum`` (see :meth:`commit_many`)."""
+        (status,) = await self.commit_many([Commit(key, namespace, owner, source, checksum)])
+        return status
+
+    async def commit_many(self, writes: Sequence[Commit]) -> list[PutStatus]:
+        """Commits several reservations; their bytes are copied and summed in one pass (see
         :meth:`kvstore.arena.ArenaPlane.commit`)."""
         self._check_open()
-        status = await self._require_arena().commit(
-            key, namespace, owner, source=source, checksum=checksum
-        )
-        if status is PutStatus.STORED:
+        statuses = await self._require_arena().commit(writes)
+        if PutStatus.STORED in statuses:
             await self.relieve_pressure()
-        return status
+        return statuses
 
     async def abort(self, key: bytes, namespace: bytes, *, owner: object = None) -> bool:
         """Frees ``owner``'s reservation; False when it holds none."""
