@@ -24,6 +24,7 @@ from kvstore.blocks import ROOT_KEY, payload_checksum
 from kvstore.client.keys import block_keys
 from kvstore.client.shm import ShmSession
 from kvstore.config import AuthConfig, Config, HostConfig, ServerConfig, SsdConfig
+from kvstore.index import BlockMeta
 from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
@@ -309,6 +310,43 @@ async def test_bad_requests_get_status_codes_naming_the_value(kv: Daemon, addres
     error = await rpc_error(stub.RegisterNamespace(pb.RegisterNamespaceRequest(model=bad_model)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_layers must be a positive int, got 0" in error.details()
+
+
+async def test_oversized_layouts_and_buffers_are_refused_before_any_work(kv: Daemon) -> None:
+    stub = kv.stub(kv.running.addresses[0])
+    # 4096 layers x 1 GiB per layer: refused when registered, nothing allocated.
+    layout = pb.Layout(num_layers=4096, num_kv_heads=4096, block_tokens=256, head_dim=256,
+                       dtype="float16")  # fmt: skip
+    huge = pb.ModelFingerprint(model_name="huge", layout=layout)
+    error = await rpc_error(stub.RegisterNamespace(pb.RegisterNamespaceRequest(model=huge)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "4398046511104 bytes; this daemon takes at most 4194304" in error.details()
+    # 513 layers x 8 KiB, just over the host tier (4 MiB): refused too.
+    over = pb.Layout(num_layers=513, num_kv_heads=2, block_tokens=16, head_dim=64, dtype="float16")
+    error = await rpc_error(
+        stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(model=pb.ModelFingerprint(model_name="o", layout=over))
+        )
+    )
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    ns = await register(stub)
+    host = kv.store.tier("host").tier
+    usage = host.usage()
+    assert usage == 0 and kv.store.stats().tiers[0].evictions == 0
+    # Bytes of streamed blocks buffered in memory are bounded: past max_buffered_bytes,
+    # RESOURCE_EXHAUSTED (here: no room in a full, leased arena forces the buffer path).
+    service = kv.running.service
+    meta = BlockMeta(ns, 16, MODEL.layout())
+    held = [
+        await kv.store.reserve(i.to_bytes(32, "big"), ROOT_KEY, meta, owner="test")
+        for i in range(1, 300)
+    ]
+    assert held[-1].status.name == "NO_SPACE"  # the arena is full of reservations
+    with service.buffered(service._server.max_buffered_bytes - BLOCK // 2):
+        error = await rpc_error(stub.Put(iter(put_chunks(ns, blocks_of("", 1, salt=3)))))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "server.max_buffered_bytes" in error.details()
+    assert host.usage() <= host.capacity()
 
 
 async def test_tokens_and_tenants(tmp_path: Path, short_dir: Path) -> None:

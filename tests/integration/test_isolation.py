@@ -1,0 +1,123 @@
+"""Tenant isolation, tested as the attacker: tenant bob's process, run as another user, with
+bob's token, against a real daemon that holds alice's blocks.
+
+The attacker (``tests/support/attacker.py``, a child process) tries everything a co-located
+engine could: find an arena under /dev/shm, open the daemon's descriptors or memory through
+/proc, open a shm session for alice with bob's token, scan bob's own arena for alice's bytes,
+write or reopen that arena writable, and, over gRPC, use alice's namespace, probe alice's keys for
+existence (DEDUP) or squat on them. Each attempt reports what happened; the test asserts
+every one failed, and that alice still reads exactly what she wrote.
+
+Run as root, the attacker drops to uid/gid 65534 first (the threat model: engines run as
+other users than the daemon). Run as an ordinary user it stays that user, and the checks
+that only another user's process can pass (/proc access) are skipped: a process of the
+daemon's own user can read its memory whatever the daemon does (see docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+
+from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
+from kvstore.client.shm import ShmSession
+from kvstore.client.wire import fingerprint_message
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.shm_wire import Hello
+from tests.support.daemon import running_daemon
+
+MODEL = ModelFingerprint("isolation", 2, 2, 64, "float16", block_tokens=16)
+ALICE = Namespace(MODEL, "alice")
+TOKENS = ["alice-secret:alice", "bob-secret:bob"]
+MARK = b"ALICE-PRIVATE-KV"  # starts every payload of alice's, so bob can search for it
+ATTACKER = Path(__file__).resolve().parents[1] / "support" / "attacker.py"
+
+
+def alice_payload(key: bytes) -> bytes:
+    size = MODEL.layout().payload_bytes
+    return (MARK + hashlib.shake_256(key).digest(size))[:size]
+
+
+def test_another_tenant_can_neither_read_nor_write_nor_probe_alices_kv(tmp_path: Path) -> None:
+    settings = {"server": {"socket_mode": "0666"}}
+    with running_daemon(tmp_path, tokens=TOKENS, settings=settings) as daemon:
+        os.chmod(daemon.socket_path.parent, 0o755)  # engines of other users reach the sockets
+        keys = block_keys(list(range(6 * 16)), ALICE)
+        keys, pending = keys[:5], keys[5]
+        with KVStoreClient(daemon.address, token="alice-secret") as alice:
+            assert alice.put(ALICE, keys, [alice_payload(k) for k in keys]) == (
+                [WriteStatus.STORED] * len(keys)
+            )
+            assert alice.data_plane == "shm"
+        # Alice also has a write in flight: block 5 reserved in her session, not committed.
+        opened = ShmSession._open_blocking(
+            str(daemon.socket_path) + ".shm", Hello("alice-secret", "alice", 1 << 20)
+        )
+        auth = (("authorization", "Bearer alice-secret"),)
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            digest = stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(model=fingerprint_message(MODEL), tenant="alice"),
+                metadata=auth,
+            ).namespace
+            spec = pb.BlockSpec(key=pending, parent=keys[-1], num_tokens=16)
+            reserved = stub.Reserve(
+                pb.ReserveRequest(namespace=digest, blocks=[spec], session=opened.session_id),
+                metadata=auth,
+            )
+            assert reserved.reservations[0].status == pb.RESERVED
+        assert daemon.proc is not None
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        done = subprocess.run(
+            [sys.executable, str(ATTACKER), daemon.address, str(daemon.proc.pid),
+             ",".join(k.hex() for k in keys), MARK.hex(), opened.session_id.hex(),
+             pending.hex()],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        assert report["dev_shm"] == []
+        if report["uid"] != os.geteuid():  # another user (root dropped to 65534)
+            assert report["proc_fds"].startswith("refused"), report
+            assert report["proc_mem"].startswith("refused"), report
+            assert report["reopen_arena_writable"].startswith("refused"), report
+        for name in ("session_for_alice", "session_no_token"):
+            assert report[name].startswith("refused"), report
+        assert report["alice_bytes_in_bobs_arena"] is False
+        for name in ("map_arena_writable", "write_arena", "truncate_arena", "truncate_staging"):
+            assert report[name].startswith("refused"), report
+        for name in ("register_alice", "lookup_alice_ns", "acquire_alice_ns"):
+            assert report[name] == "refused: _InactiveRpcError StatusCode.PERMISSION_DENIED", report
+        assert report["commit_alice_reservation"].endswith("PERMISSION_DENIED"), report
+        for name in ("commit_alice_key_in_bob_ns", "abort_alice_reservation"):
+            assert report[name].endswith("FAILED_PRECONDITION"), report  # not bob's session
+        assert report["commit_alice_key_with_bobs_session"] == ["EXPIRED"]  # not bob's
+        assert report["bob_lookup_of_alice_keys"] == 0
+        assert report["bob_get_of_alice_keys"] == 0
+        assert report["bob_put_of_alice_key"] == "STORED"
+        assert report["bob_plane"] == "shm"
+        # Alice's reservation is still hers to finish.
+        slot = reserved.reservations[0].slot
+        staged = opened.staging.tensor(slot.offset, slot.length)
+        staged.numpy()[:] = memoryview(alice_payload(pending))
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            done_commit = stub.Commit(
+                pb.CommitRequest(namespace=digest, keys=[pending], session=opened.session_id),
+                metadata=auth,
+            )
+            assert list(done_commit.statuses) == [pb.STORED]
+        opened._socket.close()  # type: ignore[union-attr]
+        keys.append(pending)
+        # Alice's blocks are untouched, bit for bit, and hers alone.
+        with KVStoreClient(daemon.address, token="alice-secret", verify=True) as alice:
+            got = alice.get(ALICE, keys)
+            assert [bytes(b) for b in got] == [alice_payload(k) for k in keys]
+            assert alice.lookup(ALICE, keys) == len(keys)
