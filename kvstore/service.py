@@ -17,7 +17,8 @@
 Checks (:mod:`kvstore.checks`), all before any work: keys and parents are 32 bytes, at most
 ``MAX_KEYS`` keys per call, a block holds exactly ``layout.block_tokens`` tokens and
 ``layout.payload_bytes`` bytes, a namespace's block fits ``server.max_block_bytes`` and the
-top tier, a tenant holds at most ``MAX_NAMESPACES`` namespaces and ``MAX_LEASES`` leases.
+top tier, a tenant holds at most ``MAX_NAMESPACES`` namespaces and ``MAX_LEASES`` leases, and
+at most ``MAX_TENANTS`` tenants hold namespaces (each has a host arena).
 With authentication on, each call carries the caller's tenant: a namespace registered by one
 tenant cannot be used, a lease cannot be released and a session cannot be written through,
 with the token of another. Errors are the :mod:`kvstore.errors` tree, with messages that name
@@ -81,6 +82,7 @@ log = logging.getLogger(__name__)
 MAX_LEASE_SECONDS = 3600.0
 MAX_PREFETCH_TASKS = 64  # hints past this many in flight are dropped (they are only hints)
 MAX_NAMESPACES = 1024  # per tenant
+MAX_TENANTS = 256  # with namespaces registered at once (each has a host arena of its own)
 MAX_LEASES = 1 << 16  # per tenant, live at once
 
 
@@ -206,6 +208,10 @@ class KVStoreService:
         if self._per_tenant[tenant] >= MAX_NAMESPACES:
             raise ResourceExhaustedError(
                 f"tenant {tenant!r} has {MAX_NAMESPACES} namespaces registered already"
+            )
+        if tenant not in self._per_tenant and len(self._per_tenant) >= MAX_TENANTS:
+            raise ResourceExhaustedError(
+                f"{MAX_TENANTS} tenants have namespaces registered already; {tenant!r} cannot"
             )
         self._namespaces[digest] = _Registered(tenant, layout)
         self._per_tenant[tenant] += 1

@@ -222,6 +222,10 @@ class SessionServer:
         assert self._socket is not None
         while True:
             conn, _ = await loop.sock_accept(self._socket)
+            if len(self._handlers) >= 2 * self._max_sessions:  # sessions and hellos pending
+                log.warning("shm session refused: %d connections open", len(self._handlers))
+                conn.close()
+                continue
             task = asyncio.create_task(self._serve(conn), name="shm-session")
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)

@@ -318,3 +318,19 @@ async def test_a_cancelled_acquire_leaves_no_lease(service, store, monkeypatch) 
         await call
     await asyncio.sleep(0.3)  # the promotion finishes; its lease is released at once
     assert store.stats().active_leases == 0
+
+
+async def test_tenants_and_their_namespaces_are_bounded(service) -> None:
+    from kvstore.errors import ResourceExhaustedError
+    from kvstore.service import MAX_NAMESPACES, MAX_TENANTS
+
+    for i in range(MAX_TENANTS):
+        service.register_namespace(MODEL, f"tenant-{i}")
+    with pytest.raises(ResourceExhaustedError, match=f"{MAX_TENANTS} tenants"):
+        service.register_namespace(MODEL, "one-too-many")
+    service.register_namespace(MODEL, "tenant-0")  # again: the same digest, no new tenant
+    for i in range(MAX_NAMESPACES - 1):
+        other = ModelFingerprint(f"m{i}", 2, 2, 64, "float16", block_tokens=16)
+        service.register_namespace(other, "tenant-1")
+    with pytest.raises(ResourceExhaustedError, match=f"{MAX_NAMESPACES} namespaces"):
+        service.register_namespace(ModelFingerprint("last", 2, 2, 64, "float16"), "tenant-1")
