@@ -61,6 +61,8 @@ def check_spec(name: str, spec: BlockSpec, layout: BlockLayout) -> None:
     """
     check_key(f"{name}.key", spec.key)
     check_key(f"{name}.parent", spec.parent)
+    if spec.parent == spec.key:
+        raise InvalidBlockError(f"{name}.parent is the block's own key: a block is not its parent")
     if spec.num_tokens != layout.block_tokens:
         raise InvalidBlockError(
             f"{name}.num_tokens must be {layout.block_tokens} (only full blocks are stored), "

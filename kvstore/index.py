@@ -14,6 +14,8 @@ Primitives:
 
 - ``begin(key, parent, meta, size)`` -> a *pending* node (invisible to ``match``), then
   ``commit(block_id)`` once its bytes are stored, or ``discard(block_id)`` when the write failed;
+  a block whose parent chain would lead back to itself is refused (``InvalidBlockError``):
+  the tree stays a tree whatever parents a client names;
 - ``match(keys, namespace)`` -> the committed nodes of the longest held prefix;
 - ``find(key, namespace)``, ``get(block_id)``, ``children_of(block_id)``, ``remove(block_id)``
   (a parent outlives its children: only nodes without children may be removed),
@@ -29,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.blocks import BlockLayout
+from kvstore.errors import InvalidBlockError
 
 ID_BYTES = 64
 
@@ -111,12 +114,38 @@ class RadixIndex:
         return node if node is not None and node.committed and not node.doomed else None
 
     def begin(self, key: bytes, parent: bytes, meta: BlockMeta, size: int) -> Node:
-        """Adds a pending node. The caller checked that the key is not in the namespace."""
+        """Adds a pending node. The caller checked that the key is not in the namespace.
+
+        Raises:
+            InvalidBlockError: ``parent`` is ``key``, or descends from it (a cycle).
+        """
+        if self._cycles(key, parent, meta.namespace):
+            raise InvalidBlockError(
+                f"block {key.hex()[:16]} cannot have parent {parent.hex()[:16]}: that parent "
+                f"is the block itself or one of its descendants"
+            )
         node = Node(key=key, parent=parent, meta=meta, size=size, id=block_id(key, meta.namespace))
         self._nodes[node.id] = node
         self._spaces.setdefault(meta.namespace, {})[key] = node
         self._children.setdefault(node.parent_id, set()).add(node.id)
         return node
+
+    def _cycles(self, key: bytes, parent: bytes, namespace: bytes) -> bool:
+        """Whether ``key`` is ``parent`` or one of its ancestors. Only a block that others
+        already name as their parent (children sent before it) can close a cycle, so the
+        walk up from ``parent`` runs only then; the tree is acyclic before, so it ends."""
+        if parent == key:
+            return True
+        if not self._children.get(key + namespace):
+            return False
+        space = self._spaces.get(namespace, {})
+        current: bytes | None = parent
+        while current is not None:
+            if current == key:
+                return True
+            node = space.get(current)
+            current = None if node is None else node.parent
+        return False
 
     def commit(self, block: bytes) -> Node:
         node = self._nodes[block]
@@ -169,9 +198,13 @@ class RadixIndex:
     def subtree(self, block: bytes) -> list[Node]:
         """The node of ``block`` and all its descendants, children before parents."""
         order: list[Node] = []
+        seen: set[bytes] = set()
         stack = [block]
         while stack:
             current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
             node = self._nodes.get(current)
             if node is not None:
                 order.append(node)

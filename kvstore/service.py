@@ -64,6 +64,7 @@ from kvstore.results import Acquired, Block, LookupResult, PutStatus, Reserved, 
 from kvstore.sessions import Session, SessionServer
 from kvstore.store import BlockStore, Commit
 from kvstore.streams import ArenaStreams, HeldBlock, Landing
+from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import HostTier
 
@@ -371,21 +372,33 @@ class KVStoreService:
             check_spec(f"blocks[{i}]", spec, layout)
         writer = self._session(session, tenant)
         ttl = self._server.lease_ttl
-        items = []
+        items: list[Reserved] = []
+        reaped = False
         for spec in blocks:
-            items.append(await self._reserve_one(namespace, spec, layout, writer, ttl))
+            if spec.key + namespace in writer.slots:  # named twice: this session writes it
+                items.append(Reserved(PutStatus.DEDUP))
+                continue
+            staging = writer.take(spec.key + namespace, layout.payload_bytes)
+            if staging is None and not reaped:  # once per call: the reap walks every slot
+                self._reap(writer)
+                reaped = True
+                staging = writer.take(spec.key + namespace, layout.payload_bytes)
+            if staging is None:  # the staging area is full: the rest waits for a later put
+                items += [Reserved(PutStatus.NO_SPACE)] * (len(blocks) - len(items))
+                break
+            items.append(await self._reserve_one(namespace, spec, layout, writer, staging, ttl))
         return Reservations(tuple(items), ttl)
 
     async def _reserve_one(
-        self, namespace: bytes, spec: BlockSpec, layout: BlockLayout, writer: Session, ttl: float
+        self,
+        namespace: bytes,
+        spec: BlockSpec,
+        layout: BlockLayout,
+        writer: Session,
+        staging: Slot,
+        ttl: float,
     ) -> Reserved:
         block = spec.key + namespace
-        staging = writer.take(block, layout.payload_bytes)
-        if staging is None:
-            self._reap(writer, namespace)
-            staging = writer.take(block, layout.payload_bytes)
-        if staging is None:
-            return Reserved(PutStatus.NO_SPACE)
         meta = BlockMeta(namespace, spec.num_tokens, layout)
         try:
             reserved = await self._store.reserve(
@@ -399,7 +412,7 @@ class KVStoreService:
             return reserved
         return Reserved(PutStatus.RESERVED, staging)
 
-    def _reap(self, writer: Session, namespace: bytes) -> None:
+    def _reap(self, writer: Session) -> None:
         """Frees staging slots whose reservations expired (their writer never committed)."""
         for block in list(writer.slots):
             key, space = block[:KEY_BYTES], block[KEY_BYTES:]

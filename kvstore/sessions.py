@@ -249,6 +249,11 @@ class SessionServer:
                 await _send_quietly(loop, conn, encode_refusal(error.code, str(error)))
                 log.info("shm session from %s refused: %s", peer, error)
                 return
+            except Exception:  # a bug: the daemon serves on, this connection ends
+                log.exception("shm session from %s failed", peer)
+                if session is not None:
+                    await self._end(session)
+                return
             try:
                 while await loop.sock_recv(conn, 4096):
                     pass  # the session lasts until the client closes the connection

@@ -178,8 +178,11 @@ def _line(message: Mapping[str, object]) -> bytes:
 def _parse(line: bytes, what: str) -> dict[str, object]:
     try:
         message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SessionError("INVALID_ARGUMENT", f"the {what} is not JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # not JSON, bad UTF-8, huge ints, nesting
+        reason = str(error)[:200] or type(error).__name__
+        raise SessionError(
+            "INVALID_ARGUMENT", f"the {what} is not JSON we read: {reason}"
+        ) from None
     if not isinstance(message, dict):
         raise SessionError("INVALID_ARGUMENT", f"the {what} must be a JSON object")
     return message

@@ -44,6 +44,7 @@ from kvstore.blocks import (
     payload_checksum,
 )
 from kvstore.config import Config
+from kvstore.errors import InvalidBlockError
 from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
 from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
 from kvstore.tiers.base import Buffer, Tier
@@ -338,7 +339,10 @@ class Placement:
                 continue
             if self.index.find(key, namespace) is not None:
                 return None  # adopted (or written) while we read: ask again
-            return self.adopt(slot, header)
+            try:
+                return self.adopt(slot, header)
+            except InvalidBlockError as error:  # its parent chain leads back to it
+                log.warning("not adopting %s from %s: %s", block.hex()[:16], slot.name, error)
         return None
 
     def adopt(self, slot: StoreTier, header: BlockHeader) -> Node:
@@ -452,7 +456,13 @@ class Placement:
                 continue
             node = self.index.get(block)
             if node is None:
-                self.adopt(slot, header)
+                try:
+                    self.adopt(slot, header)
+                except InvalidBlockError as error:
+                    log.warning("dropping %s from %s: %s", block.hex()[:16], slot.name, error)
+                    await slot.tier.delete(block)
+                    dropped += 1
+                    continue
             else:
                 node.tiers.add(slot.name)
                 self.policy.inserted(slot.name, block)

@@ -383,3 +383,17 @@ async def test_scheduler_aware_eviction_keeps_hinted_sessions(tmp_path: Path) ->
         # Step 4: its turn came (a read): plain LRU again.
         await store.get(queued[0][0], NAMESPACE)
         assert not store.policy.protected(queued[0][0] + NAMESPACE)
+
+
+async def test_a_parent_cycle_is_refused_and_delete_ends(make_store) -> None:
+    async with make_store(host_blocks=8) as store:
+        a, b = b"\xaa" * 32, b"\xbb" * 32
+        payload = bytes(BLOCK)
+        with pytest.raises(InvalidBlockError, match="its descendants"):
+            await store.put(a, a, META, payload)  # its own parent
+        assert await store.put(b, a, META, payload) is PutStatus.STORED  # b's parent a: absent
+        with pytest.raises(InvalidBlockError, match="its descendants"):
+            await store.put(a, b, META, payload)  # a <- b <- a would close a cycle
+        assert await store.put(a, ROOT_KEY, META, payload) is PutStatus.STORED
+        assert await store.delete(a, NAMESPACE) == 2  # a and its child b, once each
+        assert store.stats().blocks == 0
