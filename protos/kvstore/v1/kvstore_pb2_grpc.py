@@ -105,7 +105,7 @@ class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Handshake(self, request, context):
-        """Server facts: arena file for the shm data plane, limits, version.
+        """Server facts: the shm session socket, the daemon's instance id, limits, version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
