@@ -170,7 +170,11 @@ class ArenaPlane:
             self._counts["dedup_puts"] += 1
             return Reserved(PutStatus.DEDUP)
         node = self._index.begin(key, parent, meta, size)
-        slot = await self._reserve_slot(node.id, size)
+        try:
+            slot = await self._reserve_slot(node.id, size)
+        except BaseException:  # cancelled while evicting: the key must stay writable
+            self._index.discard(node.id)
+            raise
         if slot is None:
             self._index.discard(node.id)
             self._counts["dropped_saves"] += 1

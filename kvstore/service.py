@@ -64,6 +64,7 @@ from kvstore.results import Acquired, Block, LookupResult, PutStatus, Reserved, 
 from kvstore.sessions import Session, SessionServer
 from kvstore.store import BlockStore, Commit
 from kvstore.streams import ArenaStreams, HeldBlock, Landing
+from kvstore.tasks import finish_anyway
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import HostTier
@@ -400,6 +401,7 @@ class KVStoreService:
     ) -> Reserved:
         block = spec.key + namespace
         meta = BlockMeta(namespace, spec.num_tokens, layout)
+        writer.reserving.add(block)  # its staging slot is taken: no reap may free it
         try:
             reserved = await self._store.reserve(
                 spec.key, spec.parent, meta, ttl=ttl, owner=writer.id
@@ -407,6 +409,8 @@ class KVStoreService:
         except BaseException:
             writer.give(block)
             raise
+        finally:
+            writer.reserving.discard(block)
         if reserved.status is not PutStatus.RESERVED:
             writer.give(block)
             return reserved
@@ -416,7 +420,10 @@ class KVStoreService:
         """Frees staging slots whose reservations expired (their writer never committed)."""
         for block in list(writer.slots):
             key, space = block[:KEY_BYTES], block[KEY_BYTES:]
-            if self._store.reserved(key, space, writer.id) is None:
+            if (
+                block not in writer.reserving
+                and self._store.reserved(key, space, writer.id) is None
+            ):
                 writer.give(block)
 
     async def commit(
@@ -445,6 +452,12 @@ class KVStoreService:
             )
         writer = self._session(session, tenant)
         sums = list(checksums) or [0] * len(keys)
+        # The staging views must outlive the daemon's copies: a cancelled call lets it end.
+        return await finish_anyway(self._commit(namespace, keys, writer, sums), self._cleanups)
+
+    async def _commit(
+        self, namespace: bytes, keys: Sequence[bytes], writer: Session, sums: Sequence[int]
+    ) -> list[PutStatus]:
         staged = [writer.slots.get(key + namespace) for key in keys]
         with contextlib.ExitStack() as views:
             writes = [

@@ -88,6 +88,7 @@ class Session:
             raise
         self._allocator = ArenaAllocator(staging_bytes, page_bytes=PAGE)
         self.slots: dict[bytes, Slot] = {}  # block id -> its staging slot, while reserved
+        self.reserving: set[bytes] = set()  # block ids whose Reserve is still under way
         self.closed = False
 
     def take_fd(self) -> int:

@@ -44,7 +44,7 @@ from typing import Self
 from kvstore.arena import ArenaPlane, Commit
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
-from kvstore.index import BlockMeta, RadixIndex, block_id
+from kvstore.index import BlockMeta, Node, RadixIndex, block_id
 from kvstore.leases import LeaseTable
 from kvstore.policies import EvictionPolicy, eviction_policy
 from kvstore.results import (
@@ -57,6 +57,7 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
+from kvstore.tasks import finish_anyway
 from kvstore.tiering import Placement, StoreTier, checksum_of, tiers_from_config
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
@@ -289,6 +290,14 @@ class BlockStore:
         self._check_open()
         _check_block(key, parent, meta, payload)
         self._check_fits(meta.layout.payload_bytes)
+        # Once started, a put ends consistently (stored and indexed, or discarded) even if
+        # its caller is cancelled: its tier writes run on as tasks of their own.
+        work = self._put(key, parent, meta, payload, checksum)
+        return await finish_anyway(work, self._placement.pending)
+
+    async def _put(
+        self, key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer, checksum: int
+    ) -> PutStatus:
         existing = self.index.find(key, meta.namespace)
         if existing is not None:
             existing.doomed = False  # same key, same content: a re-put revives a deleted block
@@ -309,18 +318,26 @@ class BlockStore:
             stored = await self._placement.store_in(self._tiers[0], node, payload)
             stored = await self._placement.write_through(node, payload) or stored
         except BaseException:
-            self.index.discard(node.id)
-            raise
-        finally:
             node.busy -= 1
+            await self._forget(node)
+            raise
+        node.busy -= 1
         if not stored:
-            self.index.discard(node.id)
+            await self._forget(node)
             self._counts["dropped_saves"] += 1
             return PutStatus.NO_SPACE
         self.index.commit(node.id)
         self._counts["puts"] += 1
         await self.relieve_pressure()
         return PutStatus.STORED
+
+    async def _forget(self, node: Node) -> None:
+        """Drops a block that never became visible, with any copy a tier took of it."""
+        for slot in self._tiers:
+            if slot.name in node.tiers:
+                self._placement.lost_copy(slot, node)
+                await slot.tier.delete(node.id)
+        self.index.discard(node.id)
 
     async def delete(self, key: bytes, namespace: bytes) -> int:
         """Deletes a block and its descendants (unreachable without it); returns how many.
@@ -464,7 +481,10 @@ class BlockStore:
         """Commits several reservations; their bytes are copied and summed in one pass (see
         :meth:`kvstore.arena.ArenaPlane.commit`)."""
         self._check_open()
-        statuses = await self._require_arena().commit(writes)
+        arena = self._require_arena()
+        # The copies into the arena must end before the slots can be freed, whatever
+        # happens to the caller: the commit runs on as a task of its own.
+        statuses = await finish_anyway(arena.commit(writes), self._placement.pending)
         if PutStatus.STORED in statuses:
             await self.relieve_pressure()
         return statuses

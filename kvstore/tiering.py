@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvstore.blocks import (
     HEADER_PREFIX_BYTES,
@@ -99,15 +99,15 @@ class Placement:
         self.policy = policy
         self.counts = counts
         self._by_name = {slot.name: slot for slot in tiers}
-        self._flights: set[asyncio.Task[bool]] = set()
+        self.pending: set[asyncio.Task[Any]] = set()  # flights and work finishing anyway
 
     def tier_named(self, name: str) -> StoreTier:
         return self._by_name[name]
 
     async def drain(self) -> None:
-        """Waits for the writes and promotions in flight (for shutdown)."""
-        while self._flights:
-            await asyncio.gather(*self._flights, return_exceptions=True)
+        """Waits for the writes, promotions and other work in flight (for shutdown)."""
+        while self.pending:
+            await asyncio.gather(*self.pending, return_exceptions=True)
 
     # -- single flight ----------------------------------------------------------------------
 
@@ -131,12 +131,12 @@ class Placement:
 
             task = asyncio.ensure_future(run())
             flights[what] = task
-            self._flights.add(task)
+            self.pending.add(task)
             task.add_done_callback(self._landed)
         return await asyncio.shield(task)
 
     def _landed(self, task: asyncio.Task[bool]) -> None:
-        self._flights.discard(task)
+        self.pending.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
             log.debug("a tier write or promotion failed: %r", error)
 
@@ -363,8 +363,7 @@ class Placement:
             if node is None or slot.name not in node.tiers:
                 self.policy.removed(slot.name, block)
                 continue
-            if self.evictable(node, slot):
-                await self.evict(node, slot)
+            if self.evictable(node, slot) and await self.evict(node, slot):
                 return True
         return False
 
@@ -388,7 +387,10 @@ class Placement:
             return None
         return lower if lower.tier.healthy() else None
 
-    async def evict(self, node: Node, slot: StoreTier) -> None:
+    async def evict(self, node: Node, slot: StoreTier) -> bool:
+        """Demotes ``node`` per policy, then frees its copy in ``slot``; False when the copy
+        stays: the demotion failed and it is the last copy of a parent (or of a block a
+        queued session needs)."""
         node.busy += 1
         try:
             lower = self.demotion_target(node, slot)
@@ -396,13 +398,20 @@ class Placement:
                 payload = await self.read_payload(slot, node)
                 if payload is not None and await self.store_in(lower, node, payload):
                     self.counts["demotions"] += 1
-            if slot.name in node.tiers:
+            evicted = slot.name in node.tiers and self._may_drop(node, slot)
+            if evicted:
                 self.lost_copy(slot, node)
                 await slot.tier.delete(node.id)
                 self.counts[f"evictions.{slot.name}"] += 1
         finally:
             node.busy -= 1
         await self.settle(node)
+        return evicted
+
+    def _may_drop(self, node: Node, slot: StoreTier) -> bool:
+        if node.tiers - {slot.name}:
+            return True  # another tier holds it
+        return not self.index.children_of(node.id) and not self.policy.protected(node.id)
 
     async def expire(self, slot: StoreTier, cutoff: float) -> None:
         for node in self.index.nodes():
