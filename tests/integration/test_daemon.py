@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from kvstore.client import (
+    ROOT_KEY,
     AsyncKVStoreClient,
     InvalidArgumentError,
     KVStoreClient,
@@ -127,7 +128,7 @@ def test_sigkill_mid_write_never_serves_a_corrupt_block(tmp_path: Path) -> None:
             async with AsyncKVStoreClient(daemon.address, retries=0) as client:
                 for start in range(0, len(keys), 2):
                     part = keys[start : start + 2]
-                    parent = keys[start - 1] if start else keys[0]
+                    parent = keys[start - 1] if start else ROOT_KEY
                     await client.put(NAMESPACE, part, [payload(k) for k in part], parent=parent)
 
         async def write_then_kill() -> None:

@@ -334,3 +334,38 @@ async def test_tenants_and_their_namespaces_are_bounded(service) -> None:
         service.register_namespace(other, "tenant-1")
     with pytest.raises(ResourceExhaustedError, match=f"{MAX_NAMESPACES} namespaces"):
         service.register_namespace(ModelFingerprint("last", 2, 2, 64, "float16"), "tenant-1")
+
+
+async def test_staging_slots_of_reserves_under_way_are_never_handed_out_twice(
+    service, store, monkeypatch
+) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    assert service.sessions is not None
+    opened = await ShmSession.open(str(service.sessions.path), Hello("", "alice", 2 * BLOCK))
+    try:
+        real = store.reserve
+
+        async def slow_reserve(*args: object, **kwargs: object) -> object:
+            await asyncio.sleep(0.05)  # evicting to make room
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(store, "reserve", slow_reserve)
+        blocks = blocks_of("alice", 3)
+        sid = opened.session_id
+        first = [
+            asyncio.create_task(service.reserve(ns, [spec], session=sid)) for spec, _ in blocks[:2]
+        ]
+        await asyncio.sleep(0.01)  # both hold their staging slots, their reservations under way
+        third = await service.reserve(ns, [blocks[2][0]], session=sid)
+        assert [r.status for r in third.items] == [PutStatus.NO_SPACE]  # the staging area is full
+        done = [(await task).items[0] for task in first]
+        assert [r.status for r in done] == [PutStatus.RESERVED] * 2
+        assert done[0].slot != done[1].slot
+        slots = [(r.slot.offset, r.slot.length) for r in done]
+        await opened.staging.copy_in(slots, [payload for _, payload in blocks[:2]])
+        statuses = await service.commit(ns, keys(blocks[:2]), session=sid)
+        assert statuses == [PutStatus.STORED] * 2
+        for spec, payload in blocks[:2]:
+            assert (await store.get(spec.key, ns)).payload == payload
+    finally:
+        await opened.aclose()
