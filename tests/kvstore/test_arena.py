@@ -406,7 +406,7 @@ async def test_a_parent_whose_demotion_fails_is_kept(tmp_path: Path) -> None:
         meta = BlockMeta(NS_A, 16, LAYOUT)
         (a0, root, p0), (a1, _, p1) = blocks("family", 2)
         (lone, lone_parent, lone_payload) = blocks("lone", 1)[0]
-        host, ssd = store.tiers
+        host = store.tiers[0]
         # Step 1: a1 (a0's child) and a lone block in the SSD, both leased; a0 in the host.
         for key, parent, payload in [(a0, root, p0), (a1, a0, p1)]:
             await store.put(key, parent, meta, payload)
