@@ -43,6 +43,12 @@ _NUMBER_WITH_UNIT: Final = re.compile(
 )
 
 
+REMOVED_KEYS: Final = {
+    "host.directory": "the host arenas are anonymous memory (memfds) handed to clients over "
+    "the shm session socket, not files in a directory; delete the key",
+}
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key and the value."""
 
@@ -275,6 +281,8 @@ def _section(cls: type[object], values: Mapping[str, object], section: str) -> o
     specs = {spec.name: spec for spec in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs = {}
     for name, value in values.items():
+        if f"{section}.{name}" in REMOVED_KEYS:
+            raise ConfigError(f"'{section}.{name}' is gone: {REMOVED_KEYS[f'{section}.{name}']}")
         if name not in specs:
             known = ", ".join(sorted(specs))
             raise ConfigError(f"unknown key '{section}.{name}' (known keys: {known})")

@@ -9,6 +9,7 @@ import pytest
 from kvstore.config import (
     Config,
     ConfigError,
+    from_mapping,
     load_config,
     parse_duration,
     parse_size,
@@ -155,3 +156,8 @@ def test_server_and_auth_sections(tmp_path: Path) -> None:
 def test_bad_server_values(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, text), environ={})
+
+
+def test_a_removed_key_says_why() -> None:
+    with pytest.raises(ConfigError, match=r"'host.directory' is gone: the host arenas are"):
+        from_mapping({"host": {"directory": "/dev/shm"}})
