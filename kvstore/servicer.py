@@ -294,7 +294,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request_iterator: AsyncIterator[object], context: Context
     ) -> pb.PutResponse:
         async with self._call(context) as tenant:
-            statuses = await _PutStream(self._service, tenant).run(request_iterator)
+            try:
+                statuses = await _PutStream(self._service, tenant).run(request_iterator)
+            except StoreError:
+                # Let the client finish sending before the error ends the call: a grpc.aio
+                # client that writes after the status arrived reports INTERNAL instead of
+                # it (grpc/grpc#36066), and would miss e.g. NOT_FOUND, its cue to register.
+                async for _ in request_iterator:
+                    pass
+                raise
             return pb.PutResponse(statuses=[_WRITE_STATUS[s] for s in statuses])
 
     async def Prefetch(self, request: object, context: Context) -> pb.PrefetchResponse:

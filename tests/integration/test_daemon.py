@@ -244,3 +244,28 @@ def test_32_concurrent_clients_mixed_operations_leave_no_leaks(tmp_path: Path) -
             assert deleted == stats.blocks  # every chain hangs off the shared first block
             host = next(t for t in client.stats().tiers if t.name == "host")
             assert host.usage_bytes == 0 and client.stats().blocks == 0
+
+
+def test_a_put_stream_refused_early_tells_an_asyncio_client_why(tmp_path: Path) -> None:
+    """A Put stream refused at its first chunk (here: a namespace the daemon does not know, as
+    after a restart) must reach a grpc.aio client as that status, not as INTERNAL: the daemon
+    lets the client finish writing before it answers (grpc/grpc#36066)."""
+    settings = {"server": {"max_message_bytes": "1MiB", "chunk_bytes": "64KiB"}}
+    with running_daemon(tmp_path, settings=settings) as daemon:
+
+        async def puts() -> list[grpc.StatusCode]:
+            codes = []
+            async with grpc.aio.insecure_channel(daemon.address) as channel:
+                stub = kvstore_pb2_grpc.KVStoreStub(channel)
+                for _ in range(60):
+                    spec = pb.BlockSpec(key=os.urandom(32), parent=os.urandom(32), num_tokens=16)
+                    first = pb.PutChunk(namespace=b"\1" * 32, block=spec, data=bytes(65536))
+                    rest = [pb.PutChunk(data=bytes(65536)) for _ in range(63)]
+                    try:
+                        await stub.Put(iter([first, *rest]))
+                    except grpc.aio.AioRpcError as error:
+                        codes.append(error.code())
+            return codes
+
+        codes = asyncio.run(puts())
+        assert codes == [grpc.StatusCode.NOT_FOUND] * 60
