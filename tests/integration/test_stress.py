@@ -1,4 +1,4 @@
-"""The concurrency stress harness (tests/support/stress.py) in CI, for a bounded time.
+"""The concurrency stress harness (tests/support/stress/) in CI, for a bounded time.
 
 Two runs, 65 s of load together by default: client processes against a real daemon on tiny
 host + SSD + Redis tiers (45 s), and dozens of tasks on an in-process ``BlockStore`` (20 s).
@@ -9,7 +9,7 @@ reads (a third of what a loaded 2-core machine does). Speeds are printed, never 
 
 Longer runs: ``pytest tests/integration/test_stress.py --stress-seconds 300`` (the option
 needs tests/integration on the command line) or ``KVSTORE_STRESS_SECONDS=300 pytest ...``;
-the per-test timeout grows with it. Or the script: ``python tests/support/stress.py --help``.
+the per-test timeout grows with it. Or the script: ``python -m tests.support.stress --help``.
 """
 
 from __future__ import annotations
