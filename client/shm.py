@@ -36,6 +36,7 @@ import torch
 from kvstore.blocks import payload_checksum
 from kvstore.client.errors import CorruptBlockError
 from kvstore.shm_wire import Hello, SessionError, SessionInfo, decode_reply, encode_hello, read_line
+from kvstore.tiers.threads import pread_exactly, run_to_completion
 
 __all__ = [
     "COPY_IN_THREAD_BYTES",
@@ -165,7 +166,7 @@ class Arena(_Mapping):
         arena, fd = self._open_map(), self._fd
         if sum(length for _, length in slots) < COPY_IN_THREAD_BYTES:
             return [arena[offset : offset + length] for offset, length in slots]
-        return await self.in_thread(lambda: [_pread(fd, *slot) for slot in slots])
+        return await self.in_thread(lambda: [pread_exactly(fd, *slot) for slot in slots])
 
     async def copy_out(self, slots: Slots, targets: Sequence[Target]) -> None:
         """Copies each slot into the target of the same index (exactly ``length`` bytes)."""
@@ -361,31 +362,3 @@ def check_payloads(
             raise ValueError(
                 f"{what}[{index}] must be {size} bytes (the layout's payload_bytes), got {nbytes}"
             )
-
-
-def _pread(fd: int, offset: int, length: int) -> bytes:
-    parts = [os.pread(fd, length, offset)]
-    done = len(parts[0])
-    while done < length:  # one read stops at about 2 GiB
-        parts.append(os.pread(fd, length - done, offset + done))
-        if not parts[-1]:
-            raise OSError(f"arena ended at byte {offset + done} of a {length}-byte read")
-        done += len(parts[-1])
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-async def run_to_completion(call: Callable[[], T]) -> T:
-    """Runs ``call`` in a worker thread; a cancelled caller still waits for it to finish, so
-    the slots it touches are not released or aborted while the copy runs."""
-    future = asyncio.get_running_loop().run_in_executor(None, call)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        while not future.done():
-            try:
-                await asyncio.wait({future})
-            except asyncio.CancelledError:
-                continue
-        if not future.cancelled():
-            future.exception()  # retrieved: the cancellation is what propagates
-        raise

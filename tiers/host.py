@@ -64,6 +64,7 @@ from .base import (
     check_key,
     check_range,
 )
+from .threads import pread_exactly, run_to_completion
 
 # Below this a copy runs inline: at memcpy speed it takes < 0.5 ms, less than handing it to a
 # worker thread and waking the loop again costs on a busy machine.
@@ -577,7 +578,7 @@ class HostTier:
             return arena.map[offset : offset + length]  # no await: nothing can intervene
         self._pin(slot)
         try:
-            return await self._in_thread(_pread_exactly, arena.fd, offset, length)
+            return await self._in_thread(pread_exactly, arena.fd, offset, length)
         finally:
             self._unpin(slot)
 
@@ -628,32 +629,3 @@ def _writable_view(out: bytearray | memoryview) -> memoryview:
     if view.readonly or not view.c_contiguous:
         raise InvalidBufferError("get_into needs a writable, contiguous buffer")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _pread_exactly(fd: int, offset: int, length: int) -> bytes:
-    """Reads ``length`` bytes at ``offset``; one read stops at about 2 GiB."""
-    parts = [os.pread(fd, length, offset)]
-    done = len(parts[0])
-    while done < length:
-        parts.append(os.pread(fd, length - done, offset + done))
-        if not parts[-1]:
-            raise OSError(f"arena ended at byte {offset + done} of a {length}-byte read")
-        done += len(parts[-1])
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-async def run_to_completion(call: Callable[[], T]) -> T:
-    """Runs ``call`` in a worker thread. A cancelled caller still waits for the thread to
-    finish, so the buffers it reads and writes stay valid and reserved until then."""
-    future = asyncio.get_running_loop().run_in_executor(None, call)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        while not future.done():
-            try:
-                await asyncio.wait({future})
-            except asyncio.CancelledError:
-                continue
-        if not future.cancelled():
-            future.exception()  # retrieved: the cancellation is what propagates
-        raise
