@@ -289,17 +289,12 @@ class StoreRun:
         store = self.store
         index = len(keys) - 1
         parent = ROOT_KEY if index == 0 else keys[index - 1]
-        call = asyncio.ensure_future(
-            store.reserve(keys[index], parent, self.metas[tenant], owner=owner)
+        reserved = await self.tally.unless_cancelled(
+            store.reserve(keys[index], parent, self.metas[tenant], owner=owner),
+            rng.uniform(0, 0.002),
+            "reserve_cancelled",
         )
-        await asyncio.sleep(rng.uniform(0, 0.002))
-        call.cancel()
-        try:
-            reserved = await call
-        except asyncio.CancelledError:
-            if not call.cancelled():
-                raise
-            self.tally.events["reserve_cancelled"] += 1
+        if reserved is None:
             return
         self.tally.statuses[f"reserve_{reserved.status.name}"] += 1
         if reserved.status is PutStatus.RESERVED:  # what the stream does when it stops

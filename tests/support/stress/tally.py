@@ -7,16 +7,18 @@ unexpected errors only (``MAX_DETAILS``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tests.support.stress.content import ChainId, identify, payload
 
 MAX_DETAILS = 10
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,6 +66,23 @@ class Tally:
                     "time": time.time(),
                 }
             )
+
+    async def unless_cancelled(
+        self, work: Coroutine[Any, Any, T], after: float | None, event: str
+    ) -> T | None:
+        """Runs ``work``, cancelled ``after`` seconds (``None``: never); its result, or
+        ``None`` counted as ``event`` when the cancel reached it before it finished."""
+        call = asyncio.ensure_future(work)
+        if after is not None:
+            await asyncio.sleep(after)
+            call.cancel()
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if not call.cancelled():
+                raise  # this task itself was cancelled
+            self.events[event] += 1
+            return None
 
     def fail(self, op: str, message: str, error: BaseException | None = None) -> None:
         self.failures += 1

@@ -77,16 +77,12 @@ class WriteOps(WorkerState):
         blocks = [as_payload(rng, payload(tenant, key)) for key in part]
         client = self.clients[(tenant, plane)]
         self.tally.written.add((tenant, key_tenant, family, branch))
-        call = asyncio.ensure_future(client.put(namespace_of(tenant), part, blocks, parent=parent))
-        if cancel:
-            await asyncio.sleep(rng.uniform(0, 0.005))
-            call.cancel()
-        try:
-            statuses = await call
-        except asyncio.CancelledError:
-            if not call.cancelled():
-                raise
-            self.tally.events["put_cancelled"] += 1
+        statuses = await self.tally.unless_cancelled(
+            client.put(namespace_of(tenant), part, blocks, parent=parent),
+            rng.uniform(0, 0.005) if cancel else None,
+            "put_cancelled",
+        )
+        if statuses is None:
             return
         if len(statuses) != len(part):
             self.tally.fail("put", f"{len(statuses)} statuses for {len(part)} blocks")
@@ -199,15 +195,11 @@ class ReadOps(WorkerState):
         self, rng: random.Random, chooser: Chooser, task: int, tenant: str, plane: str
     ) -> None:
         keys = self._read_keys(chooser, tenant)
-        call = asyncio.ensure_future(self.clients[(tenant, plane)].get(namespace_of(tenant), keys))
-        await asyncio.sleep(rng.uniform(0, 0.005))
-        call.cancel()
-        try:
-            blocks = await call
-        except asyncio.CancelledError:
-            if not call.cancelled():
-                raise
-            self.tally.events["get_cancelled"] += 1
+        client = self.clients[(tenant, plane)]
+        blocks = await self.tally.unless_cancelled(
+            client.get(namespace_of(tenant), keys), rng.uniform(0, 0.005), "get_cancelled"
+        )
+        if blocks is None:
             return
         self.tally.check("cancel_get", plane, tenant, keys, [bytes(b) for b in blocks])
 
@@ -222,15 +214,8 @@ class ReadOps(WorkerState):
                 await asyncio.sleep(0.002)
                 return [bytes(v) for v in views]
 
-        call = asyncio.ensure_future(read())
-        await asyncio.sleep(rng.uniform(0, 0.005))
-        call.cancel()
-        try:
-            blocks = await call
-        except asyncio.CancelledError:
-            if not call.cancelled():
-                raise
-            self.tally.events["view_cancelled"] += 1
+        blocks = await self.tally.unless_cancelled(read(), rng.uniform(0, 0.005), "view_cancelled")
+        if blocks is None:
             return
         self.tally.check("cancel_view", plane, tenant, keys, blocks)
 
