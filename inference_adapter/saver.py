@@ -15,15 +15,30 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvstore.client import KVStoreClient, Namespace, WriteStatus
+from kvstore.client import Namespace, WriteStatus
 
-__all__ = ["SaveCounts", "SaveJob", "SaveQueue"]
+__all__ = ["Putter", "SaveCounts", "SaveJob", "SaveQueue"]
 
 log = logging.getLogger(__name__)
+
+
+class Putter(Protocol):
+    """What the queue needs of a client: ``KVStoreClient.put``."""
+
+    def put(
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        *,
+        parent: bytes = ...,
+    ) -> list[WriteStatus]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +69,7 @@ class SaveQueue:
         capacity: Most blocks waiting or being put at once (>= 1).
     """
 
-    def __init__(self, client: KVStoreClient, namespace: Namespace, capacity: int) -> None:
+    def __init__(self, client: Putter, namespace: Namespace, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"save queue capacity must be >= 1 block, got {capacity}")
         self._client = client
@@ -64,6 +79,7 @@ class SaveQueue:
         self._pending_blocks = 0  # queued + in the put now
         self._changed = threading.Condition()
         self._counts = collections.Counter[str]()
+        self._failing = False  # the last put failed: the next failures are not logged again
         self._thread = threading.Thread(target=self._serve, name="kvstore-save", daemon=True)
         self._thread.start()
 
@@ -122,8 +138,15 @@ class SaveQueue:
             statuses = self._client.put(
                 self._namespace, job.keys, list(job.blocks), parent=job.parent
             )
-        except Exception:
-            log.warning("saving %d blocks failed", len(job.keys), exc_info=True)
+        except Exception as error:
+            if not self._failing:  # one line per run of failures (a daemon away for a while)
+                log.warning(
+                    "saving %d blocks failed: %s (counted until a put succeeds)",
+                    len(job.keys),
+                    error,
+                )
+            self._failing = True
             return collections.Counter(failed=len(job.keys))
+        self._failing = False
         names = {WriteStatus.STORED: "stored", WriteStatus.DEDUP: "dedup"}
         return collections.Counter(names.get(status, "refused") for status in statuses)

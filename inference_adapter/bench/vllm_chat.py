@@ -1,0 +1,254 @@
+"""Multi-turn chats through vLLM's offline engine, with or without ``KVStoreConnector``.
+
+Runs inside a Python environment that has vLLM (``python -m
+kvstore.inference_adapter.bench.vllm_chat --help``) and prints one JSON object: per session,
+per turn, the greedy output tokens, the prompt tokens vLLM took from a cache
+(``num_cached_tokens``; vLLM's own prefix cache is off, so they are kvstore's) and the time
+to first token. The tests and ``kvstore bench vllm`` compare such runs.
+
+``write_model(folder, size)`` writes a random Llama checkpoint (``config.json`` and
+safetensors, the weights kvstore's own engine draws for the same seed, scaled by ``gain``
+so greedy tokens depend on the whole context) that both vLLM and kvstore's engine load.
+Prompts are token ids: no tokenizer is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODEL_SIZES", "ChatShape", "chat_turns", "run_chats", "write_model"]
+
+# name -> config.json fields of a Llama; "test" runs a turn in well under a second here,
+# "bench" prefills 2-4K tokens in a few seconds on a 2-core CPU.
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "test": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1024,
+    },
+    "bench": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 8192,
+    },
+}
+
+
+def write_model(folder: Path, size: str = "test", *, seed: int = 0, gain: float = 4.0) -> Path:
+    """A random Llama checkpoint in ``folder`` (float32, 8192 positions)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvstore.inference_adapter.model import LlamaModel
+    from kvstore.inference_adapter.weights import LlamaConfig
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **MODEL_SIZES[size],
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    model = LlamaModel.from_config(LlamaConfig.from_dict(config), seed=seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(gain)
+    weights = {
+        (name if name == "lm_head.weight" else f"model.{name}"): tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+    }
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder
+
+
+@dataclass(frozen=True, slots=True)
+class ChatShape:
+    """Sessions of ``turns`` turns: a ``first_tokens`` opening message, then
+    ``turn_tokens`` per user turn; each answer is ``answer_tokens`` long."""
+
+    sessions: int = 1
+    turns: int = 4
+    first_tokens: int = 1024
+    turn_tokens: int = 128
+    answer_tokens: int = 16
+    vocab: int = 1024
+    seed: int = 0
+
+
+def chat_turns(shape: ChatShape) -> list[list[list[int]]]:
+    """Per session, per turn, the user's new tokens (ids 3 .. vocab - 1)."""
+    rng = random.Random(shape.seed)
+    sessions = []
+    for _ in range(shape.sessions):
+        turns = []
+        for turn in range(shape.turns):
+            n = shape.first_tokens if turn == 0 else shape.turn_tokens
+            turns.append([rng.randrange(3, shape.vocab) for _ in range(n)])
+        sessions.append(turns)
+    return sessions
+
+
+def engine(
+    model: Path,
+    connector: dict[str, Any] | None,
+    *,
+    block_size: int = 32,
+    max_model_len: int = 8192,
+    kv_cache_bytes: int = 512 << 20,
+) -> Any:
+    """vLLM's offline engine on ``model``; ``connector`` is ``kv_connector_extra_config``
+    for KVStoreConnector, or ``None`` for none. vLLM's prefix cache is off."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if connector is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="kvstore.inference_adapter.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=connector,
+        )
+    return LLM(
+        model=str(model),
+        load_format="safetensors",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_transfer_config=transfer,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        dtype="float32",
+        kv_cache_memory_bytes=kv_cache_bytes,
+        disable_log_stats=False,
+        seed=0,
+    )
+
+
+def run_chats(
+    llm: Any, shape: ChatShape, after_turn: dict[int, list[str]] | None = None
+) -> list[list[dict[str, Any]]]:
+    """Plays every session turn by turn (sessions interleaved per turn, one request each);
+    after turn ``n`` (1-based) the shell commands ``after_turn[n]`` run, in order."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=shape.answer_tokens, temperature=0.0, detokenize=False)
+    users = chat_turns(shape)
+    histories: list[list[int]] = [[] for _ in users]
+    results: list[list[dict[str, Any]]] = [[] for _ in users]
+    for turn in range(shape.turns):
+        for session, messages in enumerate(users):
+            prompt = histories[session] + messages[turn]
+            started = time.perf_counter()
+            (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            elapsed = time.perf_counter() - started
+            tokens = list(output.outputs[0].token_ids)
+            metrics = output.metrics
+            ttft = getattr(metrics, "first_token_latency", 0.0) or elapsed
+            results[session].append(
+                {
+                    "prompt_tokens": len(prompt),
+                    "tokens": tokens,
+                    "cached_tokens": int(output.num_cached_tokens or 0),
+                    "ttft_s": ttft,
+                    "wall_s": elapsed,
+                }
+            )
+            histories[session] = prompt + tokens
+        for command in (after_turn or {}).get(turn + 1, []):
+            subprocess.run(command, shell=True, check=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="checkpoint folder")
+    parser.add_argument("--write-model", choices=sorted(MODEL_SIZES), help="write it first")
+    parser.add_argument("--connector", help="kv_connector_extra_config JSON; none when unset")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
+    parser.add_argument(
+        "--after-turn",
+        action="append",
+        default=[],
+        metavar="N:COMMAND",
+        help="run a shell command after turn N (fault injection: kill the daemon, ...)",
+    )
+    for name, default in asdict(ChatShape()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    args = parser.parse_args(argv)
+    if args.write_model:
+        write_model(args.model, args.write_model)
+    shape = ChatShape(**{name: getattr(args, name) for name in asdict(ChatShape())})
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    started = time.perf_counter()
+    llm = engine(
+        args.model,
+        json.loads(args.connector) if args.connector else None,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+    )
+    start_s = time.perf_counter() - started
+    hooks: dict[int, list[str]] = {}
+    for hook in args.after_turn:
+        turn, _, command = hook.partition(":")
+        hooks.setdefault(int(turn), []).append(command)
+    sessions = run_chats(llm, shape, hooks)
+    stats = _connector_stats(llm)
+    report = {"engine_start_s": start_s, "sessions": sessions, "connector": stats}
+    text = json.dumps(report)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    sys.stdout.flush()
+    return 0
+
+
+def _connector_stats(llm: Any) -> dict[str, int]:
+    """The worker connector's counters (in-process engine only), for the tests."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return {}
+        connector = get_kv_transfer_group()
+        worker = getattr(connector, "_worker", None)
+        if worker is None:
+            return {}
+        worker.wait_for_saves(30.0)
+        return dict(worker.counts + worker.save_counts())
+    except Exception:  # stats are a report, never a failure
+        return {}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""``KVStoreConnector``: vLLM's V1 KV-connector API on top of the kvstore daemon.
+
+Selected with::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.inference_adapter.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"address": "unix:/run/kvstore/kvstore.sock",
+                                      "tenant": "team-a", "token_env": "KVSTORE_TOKEN"}}'
+
+vLLM builds one instance per role. The scheduler's (:mod:`.scheduler`) looks the prompt's
+block keys up when a request is admitted and plans each step's loads and saves; the plan
+reaches the worker's (:mod:`.worker`) as the step's connector metadata. Blocks are stored in
+kvstore's own form (layer-major, K before RoPE) under the namespace kvstore's engine derives
+from the same config (``namespace_for``), so either can read what the other saved.
+
+At start the connector refuses, with a ``ValueError`` naming what it found, what it cannot
+serve exactly: a non-Llama architecture, RoPE scaling the kernels do not compute, a KV cache
+dtype other than the model's, tensor or pipeline parallelism, an unknown KV layout. A daemon
+that is down at start or goes away costs cache misses only (:mod:`.link`); with
+``kv_load_failure_policy: "recompute"`` a load that fails mid-step is recomputed by vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstore.client import Namespace
+from kvstore.inference_adapter.connector import namespace_for
+from kvstore.inference_adapter.vllm.layout import layer_kv, layout_of
+from kvstore.inference_adapter.vllm.link import Link
+from kvstore.inference_adapter.vllm.scheduler import SchedulerSide, StepPlan
+from kvstore.inference_adapter.vllm.settings import ConnectorSettings
+from kvstore.inference_adapter.vllm.worker import WorkerSide
+from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.kernels import rope_tables
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorStats", "KVStoreMetadata", "model_namespace"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class KVStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, from the scheduler's connector to the worker's."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """Block counts since the last report: loaded, failed loads, queued / dropped saves."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVStoreConnectorStats:
+        merged = Counter(self.data)
+        merged.update(other.data)
+        self.data = dict(merged)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: int(value) for name, value in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def model_namespace(vllm_config: Any, settings: ConnectorSettings) -> Namespace:
+    """The namespace of the model vLLM serves, after checking the connector can serve it.
+
+    Raises:
+        ValueError: The model, the KV dtype or the parallelism is one the connector cannot
+            store exactly (the message names it).
+    """
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_config
+    architectures = tuple(getattr(hf_config, "architectures", None) or ())
+    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(
+            f"KVStoreConnector serves {list(SUPPORTED_ARCHITECTURES)} models; this one is "
+            f"{list(architectures) or 'unnamed'}"
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise ValueError(f"KVStoreConnector needs kv_cache_dtype 'auto', got {cache_dtype!r}")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            "KVStoreConnector runs with tensor_parallel_size 1 and pipeline_parallel_size 1, "
+            f"got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}"
+        )
+    config = LlamaConfig.from_dict(hf_config.to_dict())  # refuses unsupported RoPE scaling
+    block_size = vllm_config.cache_config.block_size
+    block_tokens = settings.block_tokens or block_size
+    if block_tokens % block_size:
+        raise ValueError(
+            f"kv_connector_extra_config block_tokens {block_tokens} must be a multiple of "
+            f"vLLM's block_size {block_size}"
+        )
+    return namespace_for(
+        config,
+        model_name=settings.model_name or str(model_config.model),
+        block_tokens=block_tokens,
+        dtype=model_config.dtype,
+        tenant=settings.tenant,
+    )
+
+
+class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's connector to a kvstore daemon; see the module docstring."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        self.llama = LlamaConfig.from_dict(vllm_config.model_config.hf_config.to_dict())
+        self.namespace = model_namespace(vllm_config, self.settings)
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_positions = vllm_config.model_config.max_model_len
+        self.dtype = vllm_config.model_config.dtype
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._layer_index: dict[str, int] = {}
+        self._reported = Counter[str]()
+        if role == KVConnectorRole.SCHEDULER:
+            if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+                log.warning(
+                    'KVStoreConnector: kv_load_failure_policy is %r; set "recompute" so a '
+                    "load that fails (daemon gone mid-step) is recomputed, not an error",
+                    transfer.kv_load_failure_policy,
+                )
+            link = self._link("scheduler", timeout=self.settings.lookup_timeout_s, retries=0)
+            self._scheduler = SchedulerSide(
+                self.namespace,
+                self.block_size,
+                lambda keys: link.call(lambda c: c.lookup(self.namespace, keys)),
+                load=bool(transfer.is_kv_consumer),
+                save=bool(transfer.is_kv_producer),
+            )
+            link.warm()
+        log.info(
+            "KVStoreConnector (%s): daemon %s, tenant %r, %d tokens per block",
+            role.name,
+            self.settings.address,
+            self.settings.tenant,
+            self.namespace.model.block_tokens,
+        )
+
+    def _link(self, role: str, **options: object) -> Link:
+        return Link(
+            self.settings.address,
+            self.namespace,
+            retry_s=self.settings.retry_s,
+            role=role,
+            token=self.settings.token(),
+            use_shm=self.settings.use_shm,
+            **options,
+        )
+
+    # Scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreMetadata:
+        side = self._sched()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            side.scheduled(
+                new.req_id,
+                new.block_ids[0],
+                computed=new.num_computed_tokens + scheduled[new.req_id],
+                replace=True,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            side.scheduled(
+                req_id,
+                new_ids[0] if new_ids is not None else None,
+                computed=cached.num_computed_tokens[i] + scheduled[req_id],
+                replace=req_id in resumed,
+            )
+        return KVStoreMetadata(plan=side.plan_step())
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        # The worker copies saved blocks out during the step: nothing holds vLLM's blocks.
+        self._sched().finished(request.request_id)
+        return False, None
+
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side method was called on the worker's connector")
+        return self._scheduler
+
+    # Worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        model = self.namespace.model
+        names = sorted(kv_caches, key=_layer_number)
+        if len(names) != model.num_layers:
+            raise ValueError(
+                f"vLLM registered {len(names)} KV cache layers, the model has {model.num_layers}"
+            )
+        layout = layout_of(kv_caches[names[0]])
+        if layout == "cpu":
+            check_cpu_layout(self.block_size, model.num_kv_heads, model.head_dim, self.dtype)
+        layers = [
+            layer_kv(
+                kv_caches[name], layout, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim
+            )
+            for name in names
+        ]
+        log.info("KVStoreConnector: %d layers in the %r KV layout", len(layers), layout)
+        device = layers[0].k.device
+        self._layer_index = {name: index for index, name in enumerate(names)}
+        link = self._link("worker", timeout=max(self.settings.load_timeout_s, 10.0))
+        link.warm()
+        self._worker = WorkerSide(
+            link,
+            self.namespace,
+            layers,
+            rope_tables(self.llama.rope, self.max_positions, device),
+            save_queue_blocks=self.settings.save_queue_blocks,
+            load_timeout_s=self.settings.load_timeout_s,
+        )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start(self._plan())
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        return metadata.plan if isinstance(metadata, KVStoreMetadata) else StepPlan()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            self._work().wait_layer(index)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            self._work().capture(index, self._plan().saves)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.finish_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        if self._worker is None:
+            return None
+        now = self._worker.counts + self._worker.save_counts()
+        delta = {name: now[name] - self._reported[name] for name in now}
+        self._reported = now
+        stats = KVStoreConnectorStats(data={k: v for k, v in delta.items() if v})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVStoreConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("register_kv_caches has not run on this connector")
+        return self._worker
+
+
+def check_cpu_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: Any) -> None:
+    """Checks, with vLLM's own CPU cache write, that the ``cpu`` layout reads K and V back.
+
+    The CPU kernels' K layout is not a documented contract (it differs by ISA), so two
+    blocks of distinct values are written the way attention writes them and read back
+    through :func:`~kvstore.inference_adapter.vllm.layout.layer_kv` before anything is served.
+
+    Raises:
+        ValueError: They do not read back (this ISA lays KV out otherwise): refusing to run
+            is better than storing wrong KV.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    cache = torch.zeros(2, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    k_cache, v_cache = cache.view(2, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    tokens = 2 * block_size
+    # Small integers: exact in every float dtype, distinct per (token, head, dim) mod 251.
+    key = (torch.arange(tokens * num_kv_heads * head_dim) % 251 + 1).to(dtype)
+    key = key.view(tokens, num_kv_heads, head_dim)
+    value = key.flip(0).neg()
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(tokens), isa)
+    layer = layer_kv(cache, "cpu", num_kv_heads=num_kv_heads, head_dim=head_dim)
+    for part, written in ((layer.k, key), (layer.v, value)):
+        expected = written.view(2, block_size, num_kv_heads, head_dim).transpose(1, 2)
+        if not torch.equal(part, expected):
+            raise ValueError(
+                f"vLLM's CPU attention (ISA {isa!r}, {dtype}) lays KV out in a way "
+                "KVStoreConnector does not read; it refuses to run rather than store wrong KV"
+            )
+
+
+def _layer_number(name: str) -> tuple[int, str]:
+    match = _LAYER_INDEX.search(name)
+    return (int(match.group(1)) if match else -1, name)

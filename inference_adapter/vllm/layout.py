@@ -1,0 +1,161 @@
+"""vLLM's per-layer KV tensors, seen as K and V ``[num_blocks, kv_heads, block_size, head_dim]``.
+
+vLLM hands the connector one tensor per attention layer (``register_kv_caches``). Three
+layouts occur; all are read and written through strided views (nothing is copied to read
+the layout), picked by :func:`layout_of` from the device and the shape:
+
+- ``cpu``: the CPU backend's ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, which it
+  splits as ``[num_blocks, kv_heads, 2 * block_size, head_dim]``: per block and head, K's
+  region then V's (``vllm/v1/attention/backends/cpu_attn.py``). Its C++ kernels (the
+  ``vec`` and ``vec16`` ISAs) keep K's region dimension-major, ``[head_dim, block_size]``,
+  and V's token-major, ``[block_size, head_dim]``. That is read off the kernel's behaviour,
+  not a documented contract, so the connector checks it at start with vLLM's own cache
+  write (``connector.check_cpu_layout``) and refuses to run where it does not hold.
+- ``packed``: the same shape on CUDA (vLLM 0.32's standardized ``[B, H, N, C]`` per-layer
+  view for flash attention), with K and V side by side in the last dimension.
+- ``split``: ``[2, num_blocks, block_size, kv_heads, head_dim]``, K at 0 and V at 1, with
+  tokens outside heads in memory (NHD) or heads outside tokens (HND, strides permuted).
+
+The store keeps a block ``[num_layers, 2, kv_heads, block_tokens, head_dim]`` (kvstore's own
+engine writes the same form) with K before RoPE. A stored block spans ``block_tokens //
+block_size`` consecutive vLLM blocks. :func:`gather` reads blocks of one layer into that form
+(un-rotating K from the positions its tokens hold), :func:`scatter` writes them back
+(rotating K to those positions); both are plain torch on the tensors' device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.kernels import RopeTables, apply_rope
+
+__all__ = ["LAYOUTS", "LayerKV", "gather", "layer_kv", "layout_of", "scatter", "token_positions"]
+
+LAYOUTS = ("cpu", "packed", "split")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """Strided K and V views of one layer: ``[num_blocks, kv_heads, block_size, head_dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.k.size(2)
+
+
+def layout_of(kv: torch.Tensor) -> str:
+    """The layout name of one layer's KV tensor (see the module docstring)."""
+    if kv.dim() == 5:
+        return "split"
+    return "cpu" if kv.device.type == "cpu" else "packed"
+
+
+def layer_kv(kv: torch.Tensor, layout: str, *, num_kv_heads: int, head_dim: int) -> LayerKV:
+    """K and V views of one layer's KV tensor in ``layout``.
+
+    Raises:
+        ValueError: The shape or strides do not fit ``layout`` for ``num_kv_heads`` and
+            ``head_dim`` (the message gives the shape, so an unsupported backend is named at
+            start, before anything is served).
+    """
+    shape = tuple(kv.shape)
+    four = kv.dim() == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim
+    if layout == "packed" and four:
+        return LayerKV(kv[..., :head_dim], kv[..., head_dim:])
+    if layout == "cpu" and four and kv.stride(3) == 1 and kv.stride(2) == 2 * head_dim:
+        blocks, heads, size, _ = shape
+        halves = kv.view(blocks, heads, 2, size * head_dim)
+        k = halves[:, :, 0].view(blocks, heads, head_dim, size).transpose(2, 3)
+        v = halves[:, :, 1].view(blocks, heads, size, head_dim)
+        return LayerKV(k, v)
+    five = kv.dim() == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_dim)
+    if layout == "split" and five:
+        return LayerKV(kv[0].transpose(1, 2), kv[1].transpose(1, 2))
+    expected = {
+        "cpu": f"[num_blocks, {num_kv_heads}, block_size, {2 * head_dim}] with contiguous rows",
+        "packed": f"[num_blocks, {num_kv_heads}, block_size, {2 * head_dim}]",
+        "split": f"[2, num_blocks, block_size, {num_kv_heads}, {head_dim}]",
+    }
+    if layout not in expected:
+        raise ValueError(f"unknown KV layout {layout!r}; known: {list(LAYOUTS)}")
+    raise ValueError(
+        f"a KV cache layer of shape {shape} (strides {kv.stride()}) is not the {layout!r} "
+        f"layout {expected[layout]}: this attention backend's layout is not supported"
+    )
+
+
+def token_positions(first_blocks: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """Positions of every token of stored blocks ``first_blocks`` (block indices in the
+    sequence): ``[n, 1, block_tokens]`` int64, broadcastable over heads."""
+    rows = torch.arange(block_tokens, dtype=torch.int64, device=first_blocks.device)
+    return (first_blocks[:, None] * block_tokens + rows[None, :])[:, None, :]
+
+
+def gather(
+    layer: LayerKV,
+    block_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rope: RopeTables | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored blocks of one layer read out of vLLM's blocks.
+
+    Args:
+        layer: The layer's views.
+        block_ids: ``[n, per_block]`` int64, the vLLM blocks making each stored block.
+        positions: ``[n, 1, block_tokens]`` from :func:`token_positions`.
+        rope: Un-rotate K with these tables; ``None`` keeps K as vLLM holds it.
+
+    Returns:
+        K and V ``[n, kv_heads, block_tokens, head_dim]``, new tensors.
+    """
+    k, v = (_join(part[block_ids]) for part in (layer.k, layer.v))
+    if rope is not None:
+        k = apply_rope(k, positions, rope, inverse=True)
+    return k, v
+
+
+def scatter(
+    layer: LayerKV,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rope: RopeTables | None,
+    write: torch.Tensor | None = None,
+) -> None:
+    """Writes stored blocks of one layer into vLLM's blocks.
+
+    Args:
+        layer: The layer's views.
+        k, v: ``[n, kv_heads, block_tokens, head_dim]`` as :func:`gather` returns them.
+        block_ids: ``[n, per_block]`` int64, where each part of each stored block goes.
+        positions: ``[n, 1, block_tokens]``, the positions K is rotated to.
+        rope: Rotate K with these tables; ``None`` writes it as it is.
+        write: ``[n, per_block]`` bool, the parts to write (vLLM computed the others
+            itself); all when ``None``.
+    """
+    if rope is not None:
+        k = apply_rope(k, positions, rope)
+    per_block = block_ids.size(1)
+    targets = block_ids.reshape(-1) if write is None else block_ids[write]
+    for source, part in ((k, layer.k), (v, layer.v)):
+        parts = _split(source, per_block)  # [n, per_block, kv_heads, block_size, head_dim]
+        chosen = parts.reshape(-1, *parts.shape[2:]) if write is None else parts[write]
+        part[targets] = chosen.to(part.dtype)
+
+
+def _join(parts: torch.Tensor) -> torch.Tensor:
+    """``[n, per_block, heads, block_size, dim]`` -> ``[n, heads, per_block * block_size, dim]``."""
+    n, per_block, heads, size, dim = parts.shape
+    return parts.transpose(1, 2).reshape(n, heads, per_block * size, dim)
+
+
+def _split(blocks: torch.Tensor, per_block: int) -> torch.Tensor:
+    """The inverse of :func:`_join`."""
+    n, heads, tokens, dim = blocks.shape
+    return blocks.reshape(n, heads, per_block, tokens // per_block, dim).transpose(1, 2)

@@ -1,0 +1,227 @@
+"""The scheduler side: what to load for a new request, what to save after each step.
+
+vLLM's scheduler calls, per request: ``matched_tokens`` (Lookup of the prompt's block keys,
+under a deadline) when it considers admitting it, ``allocated`` once its blocks exist, and
+every step ``plan_step``, whose :class:`StepPlan` travels to the worker as the step's
+connector metadata. ``finished`` forgets the request.
+
+- Loads: only whole stored blocks, only past what vLLM computed itself
+  (``num_computed_tokens``, its own prefix cache), never the prompt's last token (vLLM must
+  compute one token to sample). Blocks are loaded during the step's forward pass, layer by
+  layer, so the answer is never "asynchronous".
+- Saves: each step, the full stored blocks whose KV exists once the step has run (tokens
+  ``< num_computed_tokens + num_scheduled_tokens`` that vLLM knows the ids of), minus those
+  found at lookup or saved before. Decode steps complete blocks too, so a chat's answer is
+  saved as it grows. The worker copies them out of vLLM's blocks during the step itself, so
+  vLLM may free a finished request's blocks at once.
+
+Nothing here talks to vLLM types: requests are read through ``request_id``,
+``prompt_token_ids`` and ``all_token_ids``; the connector adapts the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvstore.client import ROOT_KEY, Namespace, block_keys
+
+__all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
+
+log = logging.getLogger(__name__)
+
+
+class TrackedRequest(Protocol):
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int] | None: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Stored blocks to write into a request's vLLM blocks this step."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    first_block: int  # index in the sequence of keys[0] (its tokens start there * block_tokens)
+    block_ids: tuple[int, ...]  # vLLM blocks, per_block of them per key, in order
+    skip_before: int  # vLLM blocks of the sequence below this index vLLM computed itself
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Stored blocks to copy out of a request's vLLM blocks this step."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    parent: bytes  # the key before keys[0] (ROOT_KEY for block 0)
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step's loads and saves: the connector metadata's content."""
+
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: TrackedRequest
+    keys: list[bytes] = field(default_factory=list)  # keys of the full blocks seen so far
+    block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks, in order
+    next_save: int = 0  # stored blocks below this index are held or handed to a save
+    computed: int = 0  # tokens with KV once the last planned step has run
+
+
+@dataclass(frozen=True, slots=True)
+class _Match:
+    keys: tuple[bytes, ...]
+    held: int  # leading stored blocks the daemon holds
+    num_computed: int  # vLLM's own prefix hit when it asked
+
+
+class SchedulerSide:
+    """Per-request load and save planning; see the module docstring.
+
+    Args:
+        namespace: The model and tenant (its ``block_tokens`` is the stored block size).
+        vllm_block_size: vLLM's ``block_size``; divides ``block_tokens``.
+        lookup: ``keys -> leading blocks held``; raises when the daemon cannot answer.
+        load: Plan loads (kv_both, kv_consumer).
+        save: Plan saves (kv_both, kv_producer).
+    """
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        vllm_block_size: int,
+        lookup: Callable[[Sequence[bytes]], int],
+        *,
+        load: bool = True,
+        save: bool = True,
+    ) -> None:
+        self.namespace = namespace
+        self.block_tokens = namespace.model.block_tokens
+        if self.block_tokens % vllm_block_size:
+            raise ValueError(
+                f"block_tokens {self.block_tokens} must be a multiple of vLLM's block_size "
+                f"{vllm_block_size}"
+            )
+        self.per_block = self.block_tokens // vllm_block_size
+        self.vllm_block_size = vllm_block_size
+        self._lookup = lookup
+        self._load = load
+        self._save = save
+        self._tracked: dict[str, _Tracked] = {}
+        self._matches: dict[str, _Match] = {}
+        self._loads: list[LoadSpec] = []
+        self.lookup_errors = 0
+        self.looked_up_blocks = 0
+        self.hit_blocks = 0
+
+    def matched_tokens(self, request: TrackedRequest, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` the daemon can provide (0 on any failure)."""
+        tracked = self._track(request)
+        prompt = list(request.prompt_token_ids or ())
+        usable = (len(prompt) - 1) // self.block_tokens  # one prompt token is always computed
+        if not self._load or usable * self.block_tokens <= num_computed_tokens:
+            return 0
+        if len(tracked.keys) < usable:
+            tracked.keys = block_keys(prompt[: usable * self.block_tokens], self.namespace)
+        keys = tuple(tracked.keys[:usable])
+        try:
+            held = min(self._lookup(keys), usable)
+        except Exception as error:
+            self.lookup_errors += 1
+            log.debug("lookup of request %s failed: %s", request.request_id, error)
+            return 0
+        self.looked_up_blocks += len(keys)
+        self._matches[request.request_id] = _Match(keys, held, num_computed_tokens)
+        return max(0, held * self.block_tokens - num_computed_tokens)
+
+    def allocated(self, request: TrackedRequest, block_ids: Sequence[int], external: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's) and will take ``external``
+        tokens from the connector."""
+        tracked = self._track(request)
+        match = self._matches.pop(request.request_id, None)
+        if external <= 0 or match is None:
+            return
+        first = match.num_computed // self.block_tokens
+        held = (match.num_computed + external) // self.block_tokens
+        tracked.next_save = max(tracked.next_save, held)
+        per = self.per_block
+        self._loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                keys=match.keys[first:held],
+                first_block=first,
+                block_ids=tuple(block_ids[first * per : held * per]),
+                skip_before=match.num_computed // self.vllm_block_size,
+            )
+        )
+        self.hit_blocks += held - first
+
+    def scheduled(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | None,
+        *,
+        computed: int,
+        replace: bool,
+    ) -> None:
+        """The step schedules ``request_id``: its KV reaches ``computed`` tokens, with
+        ``block_ids`` added to its blocks (or replacing them after a preemption)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
+        if replace:
+            tracked.block_ids = list(block_ids or ())  # blocks saved before stay saved
+        elif block_ids:
+            tracked.block_ids.extend(block_ids)
+        tracked.computed = computed
+
+    def plan_step(self) -> StepPlan:
+        """The loads allocated since the last step, and the saves this step makes possible."""
+        loads, self._loads = tuple(self._loads), []
+        saves = tuple(spec for t in self._tracked.values() if (spec := self._save_spec(t)))
+        return StepPlan(loads=loads, saves=saves)
+
+    def finished(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self._matches.pop(request_id, None)
+
+    def _track(self, request: TrackedRequest) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = self._tracked[request.request_id] = _Tracked(request)
+        return tracked
+
+    def _save_spec(self, tracked: _Tracked) -> SaveSpec | None:
+        if not self._save:
+            return None
+        tokens = tracked.request.all_token_ids
+        full = min(
+            min(tracked.computed, len(tokens)) // self.block_tokens,
+            len(tracked.block_ids) // self.per_block,
+        )
+        if full <= tracked.next_save:
+            return None
+        if len(tracked.keys) < full:
+            tracked.keys = block_keys(list(tokens[: full * self.block_tokens]), self.namespace)
+        first, per = tracked.next_save, self.per_block
+        tracked.next_save = full
+        return SaveSpec(
+            request_id=tracked.request.request_id,
+            keys=tuple(tracked.keys[first:full]),
+            parent=tracked.keys[first - 1] if first else ROOT_KEY,
+            first_block=first,
+            block_ids=tuple(tracked.block_ids[first * per : full * per]),
+        )

@@ -1,0 +1,303 @@
+"""The worker side: stored blocks into vLLM's KV tensors layer by layer, new blocks out.
+
+Per step, in vLLM's order:
+
+1. ``start(plan)`` (vLLM's ``start_load_kv``, before the forward pass when the step loads,
+   after it otherwise): when the plan has loads, one thread leases every block of the step from
+   the daemon (``view_tensors``: the arena itself on the shm plane, a download otherwise) and
+   then writes layer after layer into vLLM's blocks, rotating K to the positions its tokens
+   hold, setting ``ready[i]`` after layer ``i``. vLLM computes layer ``i`` meanwhile.
+2. ``wait_layer(i)`` (vLLM's ``wait_for_layer_load``, before layer ``i``'s attention):
+   returns when layer ``i`` is written. A failure or the deadline cancels the load: from then
+   on the thread never writes vLLM's tensors again (each layer write holds a lock that
+   cancelling takes), and every vLLM block the load was to fill is reported by
+   ``take_failed_blocks`` so vLLM recomputes those tokens (``kv_load_failure_policy:
+   "recompute"``).
+3. ``capture(i, saves)`` (vLLM's ``save_kv_layer``, after layer ``i``'s attention): copies
+   layer ``i`` of the step's new full blocks out of vLLM's tensors into host staging, K
+   un-rotated. The blocks a step saves are chosen when their first layer is captured: only
+   as many as the bounded save queue takes; the rest are dropped and counted.
+4. ``finish_step()`` (``wait_for_save``): hands the staged blocks to the save queue, whose
+   thread puts them while vLLM runs the next step. On CUDA the copies out are synchronised
+   first, so no vLLM block is read after the step: vLLM may free or reuse it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvstore.client import KVStoreClient, Namespace, WriteStatus
+from kvstore.inference_adapter.saver import SaveJob, SaveQueue
+from kvstore.inference_adapter.vllm.layout import LayerKV, gather, scatter, token_positions
+from kvstore.inference_adapter.vllm.link import Link
+from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
+from kvstore.kernels import RopeTables
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger(__name__)
+
+
+class _LinkPutter:
+    """``put`` through the link, so saves reconnect like everything else."""
+
+    def __init__(self, link: Link) -> None:
+        self._link = link
+
+    def put(
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        *,
+        parent: bytes = b"",
+    ) -> list[WriteStatus]:
+        def put(client: KVStoreClient) -> list[WriteStatus]:
+            return client.put(namespace, keys, blocks, parent=parent)
+
+        return self._link.call(put)
+
+
+@dataclass(slots=True)
+class _Load:
+    """One step's loads, run by one thread."""
+
+    specs: tuple[LoadSpec, ...]
+    ready: list[threading.Event]
+    deadline: float
+    failed: bool = False
+    cancelled: bool = False
+
+
+class WorkerSide:
+    """Loads and saves of one vLLM worker; see the module docstring.
+
+    Args:
+        link: The daemon.
+        namespace: The model and tenant; its block layout is the stored form.
+        layers: Per attention layer in model order, its K/V views.
+        rope: RoPE tables on the layers' device covering every position, or ``None`` to
+            store K as vLLM holds it.
+        save_queue_blocks: Most blocks waiting to be put.
+        load_timeout_s: How long ``wait_layer`` waits for one layer.
+    """
+
+    def __init__(
+        self,
+        link: Link,
+        namespace: Namespace,
+        layers: Sequence[LayerKV],
+        rope: RopeTables | None,
+        *,
+        save_queue_blocks: int,
+        load_timeout_s: float,
+    ) -> None:
+        self.namespace = namespace
+        self.layers = list(layers)
+        self.block_tokens = namespace.model.block_tokens
+        self.per_block = self.block_tokens // self.layers[0].block_size
+        self.rope = rope
+        self.load_timeout_s = load_timeout_s
+        self.device = self.layers[0].k.device
+        self.dtype = getattr(torch, namespace.model.dtype)
+        self._link = link
+        self._saves = SaveQueue(_LinkPutter(link), namespace, save_queue_blocks)
+        self._threads = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-load")
+        self._load: _Load | None = None
+        self._write_lock = threading.Lock()
+        self._failed_blocks: set[int] = set()
+        self._staged: list[tuple[SaveSpec, torch.Tensor]] | None = None
+        self.counts = Counter[str]()
+
+    # Loads ---------------------------------------------------------------------------------
+
+    def start(self, plan: StepPlan) -> None:
+        """Begins the step: its loads start on the load thread."""
+        if not plan.loads:
+            self._load = None
+            return
+        load = _Load(
+            plan.loads,
+            [threading.Event() for _ in self.layers],
+            deadline=time.monotonic() + self.load_timeout_s,
+        )
+        self._load = load
+        self.counts["load_blocks"] += sum(len(spec.keys) for spec in plan.loads)
+        self._threads.submit(self._run_load, load)
+
+    def wait_layer(self, layer: int) -> None:
+        """Returns once layer ``layer`` of the step's loads is written (or they failed)."""
+        load = self._load
+        if load is None:
+            return
+        ready = load.ready[layer].wait(max(0.0, load.deadline - time.monotonic()))
+        if not ready or load.failed:
+            self._cancel(load, "timed out" if not ready else "failed")
+
+    def take_failed_blocks(self) -> set[int]:
+        """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
+        with self._write_lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def _run_load(self, load: _Load) -> None:
+        try:
+            self._link.call(lambda client: self._load_from(client, load))
+        except Exception as error:
+            blocks = sum(len(spec.keys) for spec in load.specs)
+            log.warning("kvstore load of %d blocks failed (%s); vLLM recomputes", blocks, error)
+            load.failed = True
+            for event in load.ready:
+                event.set()
+
+    def _load_from(self, client: KVStoreClient, load: _Load) -> None:
+        """Leases each request's blocks, then writes them layer by layer. A request whose
+        chain comes back short (evicted, or corrupt and dropped by the daemon) loads the
+        blocks that came; vLLM recomputes from the first missing one."""
+        with contextlib.ExitStack() as leases:
+            specs: list[LoadSpec] = []
+            views: list[torch.Tensor] = []
+            for spec in load.specs:
+                got = leases.enter_context(client.view_tensors(self.namespace, spec.keys))
+                if len(got) < len(spec.keys):
+                    spec = self._short(spec, len(got))
+                if got:
+                    specs.append(spec)
+                    views.extend(got)
+            self._write_layers(load, specs, views)
+
+    def _short(self, spec: LoadSpec, got: int) -> LoadSpec:
+        """Counts the blocks of ``spec`` past ``got`` as failed; the spec for the rest."""
+        per = self.per_block
+        with self._write_lock:
+            for index in range(got * per, len(spec.block_ids)):
+                if spec.first_block * per + index >= spec.skip_before:
+                    self._failed_blocks.add(spec.block_ids[index])
+        self.counts["missing_blocks"] += len(spec.keys) - got
+        return replace(spec, keys=spec.keys[:got], block_ids=spec.block_ids[: got * per])
+
+    def _write_layers(
+        self, load: _Load, specs: Sequence[LoadSpec], views: Sequence[torch.Tensor]
+    ) -> None:
+        if not views:
+            for event in load.ready:
+                event.set()
+            return
+        model = self.namespace.model
+        layer_bytes = model.layout().layer_bytes
+        shape = (len(views), 2, model.num_kv_heads, self.block_tokens, model.head_dim)
+        targets = [self._targets(spec) for spec in specs]
+        block_ids = torch.cat([t[0] for t in targets])
+        write = torch.cat([t[1] for t in targets])
+        positions = token_positions(torch.cat([t[2] for t in targets]), self.block_tokens)
+        for index, layer in enumerate(self.layers):
+            start = index * layer_bytes
+            # [n, 2, kv_heads, block_tokens, head_dim]: layer ``index`` of every block
+            data = torch.stack([view[start : start + layer_bytes] for view in views])
+            blocks = data.view(self.dtype).view(shape).to(self.device, non_blocking=True)
+            with self._write_lock:
+                if load.cancelled:
+                    return
+                scatter(layer, blocks[:, 0], blocks[:, 1], block_ids, positions, self.rope, write)
+            load.ready[index].set()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the leases end on return
+
+    def _targets(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """vLLM block ids ``[n, per_block]``, which to write, and first block indices."""
+        n, per = len(spec.keys), self.per_block
+        ids = torch.tensor(spec.block_ids, dtype=torch.int64).view(n, per)
+        sequence_index = spec.first_block * per + torch.arange(n * per).view(n, per)
+        first = torch.arange(spec.first_block, spec.first_block + n, dtype=torch.int64)
+        on = self.device
+        return ids.to(on), (sequence_index >= spec.skip_before).to(on), first.to(on)
+
+    def _cancel(self, load: _Load, why: str) -> None:
+        with self._write_lock:
+            if load.cancelled:
+                return
+            load.cancelled = True
+            for spec in load.specs:
+                per = self.per_block
+                for index, block in enumerate(spec.block_ids):
+                    if spec.first_block * per + index >= spec.skip_before:
+                        self._failed_blocks.add(block)
+        self.counts["failed_loads"] += 1
+        log.debug("kvstore load %s; %d vLLM blocks recomputed", why, len(self._failed_blocks))
+
+    # Saves ---------------------------------------------------------------------------------
+
+    def capture(self, layer: int, saves: Sequence[SaveSpec]) -> None:
+        """Copies layer ``layer`` of the step's new blocks ``saves`` into host staging."""
+        if not saves:
+            return
+        if self._staged is None:
+            self._staged = self._admit(saves)
+        for spec, staging in self._staged:
+            ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.device)
+            ids = ids.view(len(spec.keys), self.per_block)
+            first = torch.arange(
+                spec.first_block, spec.first_block + len(spec.keys), device=self.device
+            )
+            k, v = gather(
+                self.layers[layer], ids, token_positions(first, self.block_tokens), self.rope
+            )
+            staging[:, layer, 0].copy_(k, non_blocking=True)
+            staging[:, layer, 1].copy_(v, non_blocking=True)
+
+    def finish_step(self) -> None:
+        """Hands the step's staged blocks to the save queue (never waits for a put)."""
+        staged, self._staged = self._staged or [], None
+        self._load = None  # the step is over: its layers were all waited for
+        if staged and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for spec, staging in staged:
+            job = SaveJob(keys=spec.keys, parent=spec.parent, blocks=staging)
+            if self._saves.offer(job):
+                self.counts["queued_saves"] += len(spec.keys)
+            else:
+                self.counts["dropped_saves"] += len(spec.keys)
+
+    def _admit(self, specs: Sequence[SaveSpec]) -> list[tuple[SaveSpec, torch.Tensor]]:
+        model = self.namespace.model
+        admitted: list[tuple[SaveSpec, torch.Tensor]] = []
+        taken = 0
+        pinned = self.device.type == "cuda"
+        for spec in specs:
+            n = len(spec.keys)
+            if not self._saves.has_room(taken + n):
+                self.counts["dropped_saves"] += n
+                continue
+            taken += n
+            shape = (n, len(self.layers), 2, model.num_kv_heads, self.block_tokens)
+            staging = torch.empty((*shape, model.head_dim), dtype=self.dtype, pin_memory=pinned)
+            admitted.append((spec, staging))
+        return admitted
+
+    def save_counts(self) -> Counter[str]:
+        """What became of the blocks put so far (stored, dedup, refused, failed)."""
+        counts = self._saves.counts
+        return Counter(
+            stored=counts.stored, dedup=counts.dedup, refused=counts.refused, failed=counts.failed
+        )
+
+    def wait_for_saves(self, timeout: float | None = None) -> bool:
+        return self._saves.drain(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancels a running load, puts what is queued (within ``timeout``), stops threads."""
+        if self._load is not None:
+            self._cancel(self._load, "cancelled at shutdown")
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        self._saves.close(timeout)
+        with contextlib.suppress(Exception):
+            self._link.close()

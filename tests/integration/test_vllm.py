@@ -1,0 +1,255 @@
+"""A stock vLLM engine (CPU) with ``KVStoreConnector`` and a real daemon.
+
+vLLM lives in its own environment (``make vllm-venv``; its path in ``KVSTORE_VLLM_PYTHON``),
+so each scenario runs the chat driver ``kvstore.inference_adapter.bench.vllm_chat`` there as
+a child process: a random 4-layer Llama (float32, the same checkpoint kvstore's engine
+loads), token-id prompts, greedy decoding, vLLM's own prefix cache off so every hit comes
+from kvstore. A chat is 4 turns over a 1024-token opening message; answers are 16 tokens.
+
+Without vLLM the module is skipped, unless ``KVSTORE_REQUIRE_VLLM=1`` (``make test`` sets
+it): then a missing environment fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient, block_keys
+from kvstore.inference_adapter.bench.vllm_chat import ChatShape, chat_turns, write_model
+from kvstore.inference_adapter.connector import StoreConnector, namespace_for
+from kvstore.inference_adapter.engine import Engine
+from kvstore.inference_adapter.interfaces import Request, SamplingParams
+from kvstore.inference_adapter.model import load_model
+from tests.support.daemon import Daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("KVSTORE_VLLM_PYTHON", ROOT / "build/vllm-venv/bin/python"))
+if not VLLM_PYTHON.exists():
+    if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {VLLM_PYTHON} does not exist")
+    pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-venv)", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = 32
+SHAPE = ChatShape(sessions=1, turns=4, first_tokens=1024, turn_tokens=128, answer_tokens=16)
+MODEL_NAME = "kvstore-test/tiny-llama"  # the same on every node: not the local path
+
+
+def connector_config(daemon: Daemon, **more: object) -> str:
+    return json.dumps({"address": daemon.address, "model_name": MODEL_NAME, "retry_s": 0.2, **more})
+
+
+def chat(model: Path, connector: str | None, *hooks: str) -> dict[str, Any]:
+    """One vLLM process playing :data:`SHAPE`; its JSON report."""
+    command = [str(VLLM_PYTHON), "-m", "kvstore.inference_adapter.bench.vllm_chat"]
+    command += ["--model", str(model), "--block-size", str(BLOCK), "--kv-cache-mib", "256"]
+    command += ["--turns", str(SHAPE.turns), "--first-tokens", str(SHAPE.first_tokens)]
+    command += ["--turn-tokens", str(SHAPE.turn_tokens)]
+    command += ["--answer-tokens", str(SHAPE.answer_tokens)]
+    if connector is not None:
+        command += ["--connector", connector]
+    for hook in hooks:
+        command += ["--after-turn", hook]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=540, env=env)
+    assert done.returncode == 0, done.stderr[-6000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report["stderr"] = done.stderr
+    return report
+
+
+def turns(report: dict[str, Any]) -> list[dict[str, Any]]:
+    (session,) = report["sessions"]
+    return session  # type: ignore[no-any-return]
+
+
+def tokens(report: dict[str, Any]) -> list[list[int]]:
+    return [turn["tokens"] for turn in turns(report)]
+
+
+def reusable_blocks(report: dict[str, Any]) -> list[int]:
+    """Per turn, the full blocks of the prompt whose KV an earlier turn of this chat
+    computed (the previous context less its last token), capped so one token is computed."""
+    counts = [0]
+    for previous, turn in zip(turns(report), turns(report)[1:], strict=False):
+        with_kv = previous["prompt_tokens"] + len(previous["tokens"]) - 1
+        counts.append(min(with_kv, turn["prompt_tokens"] - 1) // BLOCK)
+    return counts
+
+
+def loaded_blocks(report: dict[str, Any]) -> list[int]:
+    return [turn["cached_tokens"] // BLOCK for turn in turns(report)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("tiny-llama"), "test")
+
+
+@pytest.fixture(scope="module")
+def baseline(model: Path) -> dict[str, Any]:
+    """The chat without a connector: the tokens every other run must produce."""
+    report = chat(model, None)
+    assert all(turn["cached_tokens"] == 0 for turn in turns(report))
+    assert len({tuple(t) for t in tokens(report)}) == SHAPE.turns  # answers differ by turn
+    return report
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    started = Daemon(tmp_path / "daemon", host_capacity="128MiB", ssd_capacity="256MiB")
+    started.start()
+    yield started
+    started.close()
+
+
+def test_chat_turns_load_from_kvstore_and_answer_like_recompute(
+    model: Path, baseline: dict[str, Any], daemon: Daemon
+) -> None:
+    first = chat(model, connector_config(daemon))
+    assert tokens(first) == tokens(baseline)
+    assert loaded_blocks(first)[0] == 0  # a cold daemon
+    for turn, (loaded, reusable) in enumerate(
+        zip(loaded_blocks(first), reusable_blocks(first), strict=True)
+    ):
+        assert loaded >= 0.9 * reusable, f"turn {turn + 1}: {loaded} of {reusable} blocks"
+        assert loaded <= reusable
+    assert reusable_blocks(first)[1] >= 32  # >= 1K tokens of history reused
+    counts = first["connector"]
+    last = turns(first)[-1]
+    final_blocks = (last["prompt_tokens"] + len(last["tokens"]) - 1) // BLOCK
+    assert counts["stored"] == final_blocks  # every full block with KV, each saved once
+    assert counts.get("failed", 0) == 0 and counts.get("dropped_saves", 0) == 0
+
+    # A fresh vLLM process sharing the daemon starts warm: turn 1 is a hit.
+    second = chat(model, connector_config(daemon))
+    assert tokens(second) == tokens(baseline)
+    assert loaded_blocks(second)[0] >= 0.9 * ((SHAPE.first_tokens - 1) // BLOCK)
+
+    # After a restart the blocks come back from the SSD tier.
+    daemon.stop()
+    daemon.start()
+    third = chat(model, connector_config(daemon))
+    assert tokens(third) == tokens(baseline)
+    assert loaded_blocks(third)[0] >= 0.9 * ((SHAPE.first_tokens - 1) // BLOCK)
+    assert loaded_blocks(third)[3] >= 0.9 * reusable_blocks(third)[3]
+
+    check_engine_reads_vllm_blocks(model, daemon)
+
+
+def check_engine_reads_vllm_blocks(model: Path, daemon: Daemon) -> None:
+    """kvstore's own engine, same weights, loads what vLLM saved (same namespace): its
+    answer is the one it computes alone, and the blocks hold the KV it computes itself."""
+    weights = load_model(model)
+    prompt = chat_turns(SHAPE)[0][0]
+    namespace = namespace_for(weights.config, model_name=MODEL_NAME, block_tokens=BLOCK)
+    own_namespace = namespace_for(
+        weights.config, model_name=MODEL_NAME, block_tokens=BLOCK, tenant="engine-own"
+    )
+    sampling = SamplingParams(max_tokens=SHAPE.answer_tokens)
+    with KVStoreClient(daemon.address, retries=0, timeout=10.0) as client:
+        keys = block_keys(prompt, namespace)
+        assert client.lookup(namespace, keys) == len(keys)  # vLLM saved every full block
+
+        def run(request: Request, space: Any) -> None:
+            engine = Engine(weights, num_pages=48, page_tokens=BLOCK)
+            engine.connector = connector = StoreConnector(
+                client,
+                space,
+                kv_pool=engine.kv_pool,
+                page_tokens=BLOCK,
+                rope_tables=engine.rope_tables,
+            )
+            engine.generate([request])
+            assert connector.wait_for_saves(30.0)
+            connector.close()
+
+        alone = Request("engine-alone", list(prompt), sampling)
+        run(alone, own_namespace)  # a tenant of its own: a cold store, computes everything
+        assert not alone.loaded_from
+        loaded = Request("from-vllm", list(prompt), sampling)
+        run(loaded, namespace)
+        assert sum(loaded.loaded_from.values()) == (len(prompt) - 1) // BLOCK
+        assert loaded.output == alone.output
+
+        # Block by block, vLLM's KV (K un-rotated) matches the engine's own.
+        own_keys = block_keys(prompt, own_namespace)
+        for theirs, ours in zip(
+            client.get(namespace, keys), client.get(own_namespace, own_keys), strict=True
+        ):
+            torch.testing.assert_close(
+                torch.frombuffer(bytearray(theirs), dtype=torch.float32),
+                torch.frombuffer(bytearray(ours), dtype=torch.float32),
+                rtol=1e-3,
+                atol=1e-3,
+            )
+
+
+def test_a_daemon_killed_mid_chat_costs_hits_not_answers(
+    model: Path, baseline: dict[str, Any], daemon: Daemon, tmp_path: Path
+) -> None:
+    """SIGKILL after turn 1 (its saves may be in flight), back after turn 2."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def pause(name: str) -> str:
+        return f"touch {marks}/{name}; while [ ! -f {marks}/{name}.go ]; do sleep 0.05; done"
+
+    def conduct() -> None:
+        wait_for(marks / "after1")
+        daemon.kill()
+        (marks / "after1.go").touch()
+        wait_for(marks / "after2")
+        daemon.start()
+        (marks / "after2.go").touch()
+
+    conductor = threading.Thread(target=conduct, daemon=True)
+    conductor.start()
+    report = chat(model, connector_config(daemon), f"1:{pause('after1')}", f"2:{pause('after2')}")
+    conductor.join(5)
+    assert tokens(report) == tokens(baseline)
+    loaded = loaded_blocks(report)
+    assert loaded[1] == 0  # the daemon was down: recomputed
+    assert loaded[3] >= 0.9 * reusable_blocks(report)[3]  # reconnected: turn 3's saves load
+    down = [line for line in report["stderr"].splitlines() if "unreachable" in line]
+    assert 1 <= len(down) <= 2, down  # one line per side that noticed, not one per call
+
+
+def test_corrupt_ssd_blocks_are_misses_and_vllm_recomputes(
+    model: Path, baseline: dict[str, Any], daemon: Daemon
+) -> None:
+    chat(model, connector_config(daemon))
+    daemon.stop()  # graceful: every block is on the SSD
+    files = sorted((daemon.workdir / "ssd").rglob("*.blk"))
+    assert len(files) >= 30
+    for path in files:  # flip one payload byte near the end of every record
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    daemon.start()
+    report = chat(model, connector_config(daemon))
+    assert tokens(report) == tokens(baseline)  # every corrupt block was recomputed
+    with KVStoreClient(daemon.address, retries=0) as client:
+        stats = client.stats()
+    assert stats.corrupt_blocks >= 1  # the daemon caught them (and served none)
+    counts = report["connector"]
+    assert counts["missing_blocks"] >= stats.corrupt_blocks  # vLLM was told to recompute
+
+
+def wait_for(path: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.05)
