@@ -6,8 +6,9 @@ The queue holds at most ``capacity`` blocks: an offer that does not fit is refus
 (the connector counts the blocks as dropped) rather than waiting for room, so a slow or
 absent daemon costs the engine nothing but cache misses later.
 
-Primitives: ``has_room(n)`` -> bool, ``offer(job)`` -> bool (refused when full), ``drain(timeout)``
--> bool (everything offered so far was handled), ``close()``; counters in :class:`SaveCounts`.
+Primitives: ``has_room(n)`` -> bool, ``room()`` -> blocks, ``offer(job)`` -> bool (refused
+when full), ``drain(timeout)`` -> bool (everything offered so far was handled), ``close()``;
+counters in :class:`SaveCounts`.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ class SaveQueue:
         """Whether an offer of ``num_blocks`` would be taken now."""
         with self._changed:
             return self._fits(num_blocks)
+
+    def room(self) -> int:
+        """Blocks the queue takes beside what it holds now (``capacity`` when empty)."""
+        with self._changed:
+            return max(0, self.capacity - self._pending_blocks)
 
     def offer(self, job: SaveJob) -> bool:
         """Queues ``job`` if it fits (never waits); ``False`` when refused."""

@@ -4,9 +4,13 @@ Each layout is built the way vLLM allocates it (same shapes and strides), filled
 derived from (block, head, token, dim), and checked where vLLM's attention reads them (the
 slicing of vLLM's backends, restated here) and against the store's form: a block
 ``[2, kv_heads, block_tokens, head_dim]`` per layer, K before RoPE.
+
+``KVSTORE_TEST_DEVICE=cuda`` runs them on CUDA tensors (``benchmarks/gpu_check.sh``).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,22 +26,23 @@ from kvstore.inference_adapter.vllm.layout import (
 from kvstore.kernels import RopeConfig, apply_rope, rope_tables
 
 BLOCKS, HEADS, SIZE, DIM = 12, 2, 32, 64
+DEVICE = torch.device(os.environ.get("KVSTORE_TEST_DEVICE", "cpu"))
 
 
 def packed() -> torch.Tensor:
     """``[num_blocks, kv_heads, block_size, 2 * head_dim]``: the CPU backend's tensor, and
     flash attention's standardized per-layer view on CUDA."""
-    return torch.zeros(BLOCKS, HEADS, SIZE, 2 * DIM)
+    return torch.zeros(BLOCKS, HEADS, SIZE, 2 * DIM, device=DEVICE)
 
 
 def split_nhd() -> torch.Tensor:
     """CUDA flash-attention's ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
-    return torch.zeros(2, BLOCKS, SIZE, HEADS, DIM)
+    return torch.zeros(2, BLOCKS, SIZE, HEADS, DIM, device=DEVICE)
 
 
 def split_hnd() -> torch.Tensor:
     """The same logical shape, heads outside tokens in memory (``VLLM_KV_CACHE_LAYOUT=HND``)."""
-    return torch.zeros(2, BLOCKS, HEADS, SIZE, DIM).transpose(2, 3)
+    return torch.zeros(2, BLOCKS, HEADS, SIZE, DIM, device=DEVICE).transpose(2, 3)
 
 
 LAYOUTS = {
@@ -64,7 +69,7 @@ def vllm_k_v(layout: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def truth(kv_index: int) -> torch.Tensor:
     """``[BLOCKS, HEADS, SIZE, DIM]``: a distinct value per (K/V, block, head, token, dim)."""
     b, h, t, d = torch.meshgrid(
-        *(torch.arange(n, dtype=torch.float32) for n in (BLOCKS, HEADS, SIZE, DIM)),
+        *(torch.arange(n, dtype=torch.float32, device=DEVICE) for n in (BLOCKS, HEADS, SIZE, DIM)),
         indexing="ij",
     )
     return kv_index * 1e6 + b * 1e4 + h * 1e3 + t * 10 + d / 100
@@ -95,7 +100,7 @@ def test_the_cpu_layout_keeps_a_heads_k_dimension_major_before_its_v() -> None:
 
 
 def test_the_layout_is_chosen_by_device_and_rank() -> None:
-    assert layout_of(packed()) == "cpu"
+    assert layout_of(torch.zeros(BLOCKS, HEADS, SIZE, 2 * DIM)) == "cpu"
     assert layout_of(split_nhd()) == layout_of(split_hnd()) == "split"
     meta = torch.empty(BLOCKS, HEADS, SIZE, 2 * DIM, device="meta")
     assert layout_of(meta) == "packed"  # a non-CPU device: flash attention's view
@@ -125,7 +130,7 @@ def test_an_unexpected_shape_is_refused_with_its_shape(layout: str, shape: tuple
 
 
 def test_a_cpu_layout_with_strided_rows_is_refused() -> None:
-    kv = torch.zeros(BLOCKS, HEADS, 2 * DIM, SIZE).transpose(2, 3)  # rows not contiguous
+    kv = torch.zeros(BLOCKS, HEADS, 2 * DIM, SIZE, device=DEVICE).transpose(2, 3)  # strided
     with pytest.raises(ValueError, match="'cpu' layout"):
         layer_kv(kv, "cpu", num_kv_heads=HEADS, head_dim=DIM)
     with pytest.raises(ValueError, match="unknown KV layout 'nhd'"):
@@ -139,9 +144,9 @@ def test_gather_joins_vllm_blocks_into_stored_blocks_with_k_unrotated(
 ) -> None:  # type: ignore[no-untyped-def]
     layer = layer_kv(make(), layout, num_kv_heads=HEADS, head_dim=DIM)
     fill(layer)
-    rope = rope_tables(RopeConfig(theta=10000.0, head_dim=DIM), 4096)
-    ids = torch.tensor([[7, 2], [4, 9]])[:, :per_block]
-    first = torch.tensor([3, 5])  # stored block indices in the sequence
+    rope = rope_tables(RopeConfig(theta=10000.0, head_dim=DIM), 4096, DEVICE)
+    ids = torch.tensor([[7, 2], [4, 9]], device=DEVICE)[:, :per_block]
+    first = torch.tensor([3, 5], device=DEVICE)  # stored block indices in the sequence
     block_tokens = SIZE * per_block
     positions = token_positions(first, block_tokens)
     k, v = gather(layer, ids, positions, rope)
@@ -161,14 +166,14 @@ def test_gather_joins_vllm_blocks_into_stored_blocks_with_k_unrotated(
 def test_scatter_inverts_gather_and_writes_only_its_blocks(layout, make) -> None:  # type: ignore[no-untyped-def]
     source = layer_kv(make(), layout, num_kv_heads=HEADS, head_dim=DIM)
     fill(source)
-    rope = rope_tables(RopeConfig(theta=10000.0, head_dim=DIM), 4096)
-    ids = torch.tensor([[1, 6], [8, 3]])
-    positions = token_positions(torch.tensor([0, 1]), 2 * SIZE)
+    rope = rope_tables(RopeConfig(theta=10000.0, head_dim=DIM), 4096, DEVICE)
+    ids = torch.tensor([[1, 6], [8, 3]], device=DEVICE)
+    positions = token_positions(torch.tensor([0, 1], device=DEVICE), 2 * SIZE)
     k, v = gather(source, ids, positions, rope)
 
     target_kv = make()
     target = layer_kv(target_kv, layout, num_kv_heads=HEADS, head_dim=DIM)
-    target_ids = torch.tensor([[10, 0], [5, 11]])
+    target_ids = torch.tensor([[10, 0], [5, 11]], device=DEVICE)
     scatter(target, k, v, target_ids, positions, rope)
     for src, dst in zip(ids.flatten().tolist(), target_ids.flatten().tolist(), strict=True):
         assert torch.equal(target.v[dst], truth(1)[src])
@@ -180,12 +185,14 @@ def test_scatter_inverts_gather_and_writes_only_its_blocks(layout, make) -> None
 def test_scatter_with_a_mask_leaves_what_vllm_computed_itself() -> None:
     source = layer_kv(packed(), "cpu", num_kv_heads=HEADS, head_dim=DIM)
     fill(source)
-    ids = torch.tensor([[1, 2], [3, 4]])
-    positions = token_positions(torch.tensor([0, 1]), 2 * SIZE)
+    ids = torch.tensor([[1, 2], [3, 4]], device=DEVICE)
+    positions = token_positions(torch.tensor([0, 1], device=DEVICE), 2 * SIZE)
     k, v = gather(source, ids, positions, None)
     target = layer_kv(packed(), "cpu", num_kv_heads=HEADS, head_dim=DIM)
     target.k.fill_(-1.0)
-    write = torch.tensor([[False, False], [False, True]])  # only the last part is loaded
+    write = torch.tensor(
+        [[False, False], [False, True]], device=DEVICE
+    )  # only the last part is loaded
     scatter(target, k, v, ids, positions, None, write)
     assert torch.equal(target.k[4], truth(0)[4]) and torch.equal(target.v[4], truth(1)[4])
     assert bool((target.k[1:4] == -1.0).all()) and not target.v[1:4].any()
@@ -194,6 +201,6 @@ def test_scatter_with_a_mask_leaves_what_vllm_computed_itself() -> None:
 def test_without_rope_k_is_stored_as_vllm_holds_it_bit_for_bit() -> None:
     layer = layer_kv(split_nhd(), "split", num_kv_heads=HEADS, head_dim=DIM)
     fill(layer)
-    ids = torch.tensor([[5], [0]])
-    k, v = gather(layer, ids, token_positions(torch.tensor([2, 3]), SIZE), None)
+    ids = torch.tensor([[5], [0]], device=DEVICE)
+    k, v = gather(layer, ids, token_positions(torch.tensor([2, 3], device=DEVICE), SIZE), None)
     assert torch.equal(k[0], truth(0)[5]) and torch.equal(v[1], truth(1)[0])

@@ -1,0 +1,196 @@
+"""The worker side against a real daemon, without vLLM: every layout, CPU and CUDA.
+
+A "step" is driven the way vLLM's model runner drives it (``start``, per layer
+``wait_layer`` and ``capture``, ``finish_step``). Blocks saved from one set of KV tensors are
+loaded into another; every value read is checked against content derived from its (layer,
+K/V, block, head, token, dim). The CUDA cases (marked ``gpu``) run the same code on CUDA
+tensors of the same shapes and strides.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.inference_adapter.vllm.layout import LayerKV, layer_kv
+from kvstore.inference_adapter.vllm.link import Link
+from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
+from kvstore.inference_adapter.vllm.worker import WorkerSide
+from kvstore.kernels import RopeConfig, rope_tables
+from tests.support.daemon import Daemon
+
+LAYERS, HEADS, SIZE, DIM, BLOCKS = 3, 2, 32, 64, 16
+PER_BLOCK = 2  # a stored block spans two vLLM blocks
+BLOCK_TOKENS = SIZE * PER_BLOCK
+
+
+def make_layer(layout: str, device: str) -> torch.Tensor:
+    if layout in ("cpu", "packed"):
+        return torch.zeros(BLOCKS, HEADS, SIZE, 2 * DIM, device=device)
+    if layout == "split_hnd":
+        return torch.zeros(2, BLOCKS, HEADS, SIZE, DIM, device=device).transpose(2, 3)
+    return torch.zeros(2, BLOCKS, SIZE, HEADS, DIM, device=device)
+
+
+def content(layer: int, kv: int, tokens: int, offset: int = 0) -> torch.Tensor:
+    """``[HEADS, tokens, DIM]`` values unique per (layer, K/V, head, token, dim)."""
+    h, t, d = torch.meshgrid(
+        torch.arange(HEADS), torch.arange(offset, offset + tokens), torch.arange(DIM), indexing="ij"
+    )
+    return (layer * 1e6 + kv * 5e5 + h * 1e5 + t * 10 + d / 64).float()
+
+
+CASES = [
+    pytest.param(layout, device, marks=[pytest.mark.gpu] if device == "cuda" else [])
+    for device in ("cpu", "cuda")
+    for layout in ("cpu", "packed", "split_nhd", "split_hnd")
+    if not (device == "cuda" and layout == "cpu") and not (device == "cpu" and layout == "packed")
+]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    started = Daemon(tmp_path_factory.mktemp("daemon"), host_capacity="32MiB")
+    started.start()
+    yield started
+    started.close()
+
+
+def worker_for(
+    daemon: Daemon, namespace: Namespace, layout: str, device: str
+) -> tuple[WorkerSide, list[LayerKV]]:
+    kind = "split" if layout.startswith("split") else layout
+    layers = [
+        layer_kv(make_layer(layout, device), kind, num_kv_heads=HEADS, head_dim=DIM)
+        for _ in range(LAYERS)
+    ]
+    link = Link(daemon.address, namespace, retry_s=0.1, role="worker", timeout=10.0)
+    rope = rope_tables(RopeConfig(head_dim=DIM), 4096, device)
+    worker = WorkerSide(link, namespace, layers, rope, save_queue_blocks=64, load_timeout_s=10)
+    return worker, layers
+
+
+def step(worker: WorkerSide, plan: StepPlan, compute: Callable[[int], None]) -> None:
+    """One forward pass as vLLM runs it: under inference mode, layer by layer."""
+    with torch.inference_mode():
+        worker.start(plan)
+        for layer in range(LAYERS):
+            worker.wait_layer(layer)
+            compute(layer)
+            worker.capture(layer, plan.saves)
+        worker.finish_step()
+
+
+@pytest.mark.parametrize(("layout", "device"), CASES)
+def test_blocks_saved_from_one_worker_load_into_another(
+    daemon: Daemon, layout: str, device: str
+) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, f"{layout}-{device}")
+    tokens = list(range(7, 7 + 3 * BLOCK_TOKENS + 5))
+    keys = block_keys(tokens, namespace)
+    source_ids = (3, 9, 1, 12, 5, 0)  # scattered vLLM blocks holding the 3 stored blocks
+
+    saver, source = worker_for(daemon, namespace, layout, device)
+
+    def compute(layer: int) -> None:  # "attention" writes this step's KV
+        for vllm_index, block in enumerate(source_ids):
+            for kv, part in enumerate((source[layer].k, source[layer].v)):
+                part[block] = content(layer, kv, SIZE, vllm_index * SIZE).to(device)
+
+    save = SaveSpec("r", tuple(keys), ROOT_KEY, 0, source_ids)
+    step(saver, StepPlan(saves=(save,)), compute)
+    assert saver.wait_for_saves(30.0)
+    assert saver.save_counts()["stored"] == 3
+    saver.close()
+
+    loader, target = worker_for(daemon, namespace, layout, device)
+    target_ids = (10, 2, 14, 4, 6, 8)
+    load = LoadSpec("r2", tuple(keys), 0, target_ids, skip_before=1)  # vLLM computed block 0
+    step(loader, StepPlan(loads=(load,)), lambda layer: None)
+    assert loader.take_failed_blocks() == set()
+    for layer in range(LAYERS):
+        for kv, part in enumerate((target[layer].k, target[layer].v)):
+            assert not part[10].any()  # skipped: vLLM computed it itself
+            for vllm_index, block in enumerate(target_ids[1:], start=1):
+                expected = content(layer, kv, SIZE, vllm_index * SIZE).to(device)
+                # K went through un-rotate + rotate: equal to float32 rounding
+                torch.testing.assert_close(part[block], expected, rtol=1e-5, atol=1e-2)
+    loader.close()
+
+
+def test_a_missing_block_loads_the_prefix_and_reports_the_rest(daemon: Daemon) -> None:
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, "missing")
+    keys = block_keys(list(range(1, 3 * BLOCK_TOKENS + 1)), namespace)
+    saver, _ = worker_for(daemon, namespace, "cpu", "cpu")
+    save = SaveSpec("r", tuple(keys[:2]), ROOT_KEY, 0, (0, 1, 2, 3))
+    step(saver, StepPlan(saves=(save,)), lambda layer: None)
+    assert saver.wait_for_saves(30.0)
+    saver.close()
+
+    loader, _ = worker_for(daemon, namespace, "cpu", "cpu")
+    load = LoadSpec("r2", tuple(keys), 0, (4, 5, 6, 7, 8, 9), skip_before=0)
+    step(loader, StepPlan(loads=(load,)), lambda layer: None)
+    assert loader.take_failed_blocks() == {8, 9}  # block 2 was never saved
+    assert loader.counts["missing_blocks"] == 1
+    loader.close()
+
+
+def test_a_dead_daemon_fails_the_load_for_recompute_without_waiting(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path)  # never started
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, "")
+    loader, target = worker_for(daemon, namespace, "cpu", "cpu")
+    keys = block_keys(list(range(1, BLOCK_TOKENS + 1)), namespace)
+    started = time.monotonic()
+    step(loader, StepPlan(loads=(LoadSpec("r", tuple(keys), 0, (3, 4), 0),)), lambda layer: None)
+    assert time.monotonic() - started < 5.0
+    assert loader.take_failed_blocks() == {3, 4}
+    assert not any(layer.k.any() or layer.v.any() for layer in target)
+    # Saves to a dead daemon are counted as failed, never raised into the step.
+    save = SaveSpec("r", tuple(keys), ROOT_KEY, 0, (3, 4))
+    step(loader, StepPlan(saves=(save,)), lambda layer: None)
+    assert loader.wait_for_saves(10.0)
+    assert loader.save_counts()["failed"] == 1
+    loader.close()
+
+
+def test_saving_more_than_the_queue_holds_drops_and_counts(daemon: Daemon) -> None:
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, "drops")
+    link = Link(daemon.address, namespace, retry_s=0.1, role="worker", timeout=30.0)
+    layers = [
+        layer_kv(make_layer("cpu", "cpu"), "cpu", num_kv_heads=HEADS, head_dim=DIM)
+        for _ in range(LAYERS)
+    ]
+    worker = WorkerSide(link, namespace, layers, None, save_queue_blocks=2, load_timeout_s=5)
+    assert link.warm()
+    keys = block_keys(list(range(1, 6 * BLOCK_TOKENS + 1)), namespace)
+    saves = tuple(
+        SaveSpec(f"r{i}", (keys[i],), keys[i - 1] if i else ROOT_KEY, i, (2 * i, 2 * i + 1))
+        for i in range(6)
+    )
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)  # puts hang: the queue cannot drain meanwhile
+    try:
+        started = time.monotonic()
+        step(worker, StepPlan(saves=saves), lambda layer: None)
+        step(worker, StepPlan(saves=saves[:1]), lambda layer: None)  # still full
+        assert time.monotonic() - started < 2.0  # the step never waits for the daemon
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert worker.counts["queued_saves"] == 2 and worker.counts["dropped_saves"] == 5
+    assert worker.wait_for_saves(30.0)
+    assert worker.save_counts()["stored"] == 2
+    with KVStoreClient(daemon.address) as client:
+        assert client.lookup(namespace, keys) == 2  # the first two blocks of the chain
+    worker.close()
