@@ -27,24 +27,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, Self, overload
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.blocks import ROOT_KEY
 from kvstore.client import transfer, wire
 from kvstore.client.connection import Connection
 from kvstore.client.errors import TRANSIENT, error_from_rpc
-from kvstore.client.shm import Arena, Payload, check_payloads
+from kvstore.client.shm import Arena, Payload, TargetT, check_payloads, require_torch
 from kvstore.client.wire import LookupResult, ServerInfo, Slots, Stats, WriteStatus
 from kvstore.namespace import Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 
-__all__ = ["AsyncKVStoreClient"]
+if TYPE_CHECKING:
+    import torch
 
-TargetT = TypeVar("TargetT", bytearray, memoryview, torch.Tensor)
+__all__ = ["AsyncKVStoreClient"]
 
 
 class AsyncKVStoreClient:
@@ -319,11 +319,17 @@ class AsyncKVStoreClient:
 
         On the shm plane they share the arena's memory: do not write them, and do not use them
         after the ``async with`` (the slots may be reused). On the stream plane they are copies.
+
+        Raises:
+            ModuleNotFoundError: torch is not installed.
         """
+        require_torch("view_tensors")
+        from kvstore.client import tensors
+
         async with self._leased(namespace, keys) as leased:
             if leased is None:
                 size = namespace.model.layout().payload_bytes
-                out = [torch.empty(size, dtype=torch.uint8) for _ in keys]
+                out = [tensors.empty(size) for _ in keys]
                 yield await self.get(namespace, keys, out=out)
             else:
                 arena, slots = leased

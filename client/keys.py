@@ -81,7 +81,7 @@ def block_keys(tokens: TokenIds, namespace: Namespace) -> list[bytes]:
 
 def _token_words(tokens: TokenIds) -> array[int]:
     """The token ids as a native-order uint32 array."""
-    if "torch" in sys.modules:  # a tensor can only exist once torch is imported
+    if sys.modules.get("torch") is not None:  # a tensor can only exist once torch is imported
         import torch
 
         if isinstance(tokens, torch.Tensor):

@@ -13,30 +13,38 @@ memory files:
   arena and check them. :class:`StagingBudget` keeps concurrent puts within its size.
 
 :meth:`ShmSession.open` runs the exchange; the session lasts until :meth:`ShmSession.aclose`
-(or this process exits). Copies of ``COPY_IN_THREAD_BYTES`` or more run in a worker thread
-(torch drops the GIL), and a cancelled caller still waits for that thread: a slot is
-released or aborted only once nothing touches it any more. :func:`verify` checks bytes
-against the checksum the daemon recorded when the block was committed.
+(or this process exits). Bytes are copied with numpy; a torch tensor (possible only once
+torch is imported: :func:`is_tensor`) is copied through a uint8 numpy view when it is on
+the CPU and with torch's ``copy_`` when it is on a device (:mod:`kvstore.client.tensors`).
+Copies of ``COPY_IN_THREAD_BYTES`` or more run in a worker thread (both drop the GIL), and a
+cancelled caller still waits for that thread: a slot is released or aborted only once nothing
+touches it any more. :func:`verify` checks bytes against the checksum the daemon recorded
+when the block was committed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import mmap
 import os
 import socket
-import warnings
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeAlias, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypeGuard, TypeVar, cast
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kvstore.blocks import payload_checksum
 from kvstore.client.errors import CorruptBlockError
 from kvstore.shm_wire import Hello, SessionError, SessionInfo, decode_reply, encode_hello, read_line
-from kvstore.tiers.threads import pread_exactly, run_to_completion
+from kvstore.tiers.threads import copy_arrays, pread_exactly, run_to_completion
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "COPY_IN_THREAD_BYTES",
@@ -47,8 +55,12 @@ __all__ = [
     "Staging",
     "StagingBudget",
     "Target",
+    "TargetT",
     "as_bytes",
+    "buffer_bytes",
     "check_payloads",
+    "is_tensor",
+    "require_torch",
     "verify",
 ]
 
@@ -56,18 +68,39 @@ COPY_IN_THREAD_BYTES = 1 << 20
 OPEN_SECONDS = 5.0
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
-Payload: TypeAlias = Buffer | torch.Tensor  # what put takes: one block's raw KV
-Target: TypeAlias = bytearray | memoryview | torch.Tensor  # where get may copy a block
+Bytes: TypeAlias = npt.NDArray[np.uint8]  # flat
+# What put takes (one block's raw KV), and where get may copy a block: buffers (numpy arrays
+# too) or tensors.
+Payload: TypeAlias = "Buffer | npt.NDArray[np.generic] | torch.Tensor"
+Target: TypeAlias = "bytearray | memoryview | npt.NDArray[np.generic] | torch.Tensor"
+TargetT = TypeVar("TargetT", bytearray, memoryview, "npt.NDArray[np.generic]", "torch.Tensor")
 Slots = Sequence[tuple[int, int]]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# torch.frombuffer warns once per process that a tensor over read-only bytes could write them;
-# the client only ever reads through such tensors (the arena is mapped read-only).
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    torch.frombuffer(b"\0", dtype=torch.uint8)
+
+def is_tensor(data: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``data`` is a torch tensor; ``False`` without importing torch when it is not
+    imported (then no tensor exists)."""
+    module = sys.modules.get("torch")
+    return module is not None and isinstance(data, module.Tensor)
+
+
+def require_torch(what: str) -> None:
+    """Imports torch for ``what``.
+
+    Raises:
+        ModuleNotFoundError: torch is not installed; the message says which extra brings it.
+    """
+    try:
+        importlib.import_module("torch")
+    except ImportError as error:
+        raise ModuleNotFoundError(
+            f"{what} needs torch, which is not installed here: install an engine that brings "
+            "it, or pip install 'kvstore[engine]'",
+            name="torch",
+        ) from error
 
 
 class _Mapping:
@@ -78,9 +111,8 @@ class _Mapping:
         self._fd = fd
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self._bytes: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._bytes: Bytes | None = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._tensor: torch.Tensor | None = None  # over _bytes, made on first use
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -91,7 +123,7 @@ class _Mapping:
         self.close()
 
     def close(self) -> None:
-        self._bytes = None
+        self._bytes = self._tensor = None
         if self._mmap is not None:
             try:
                 self._mmap.close()
@@ -107,10 +139,24 @@ class _Mapping:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"slot ({offset}, {length}) lies outside the {self.size}-byte area")
 
-    def tensor(self, offset: int, length: int) -> torch.Tensor:
-        """A uint8 CPU tensor over a slot (no copy)."""
+    def array(self, offset: int, length: int) -> Bytes:
+        """A uint8 numpy array over a slot (no copy; read-only in the arena)."""
         self.check(offset, length)
         return self._open_bytes()[offset : offset + length]
+
+    def tensor(self, offset: int, length: int) -> torch.Tensor:
+        """A uint8 CPU tensor over a slot (no copy). Needs torch.
+
+        Raises:
+            ModuleNotFoundError: torch is not installed.
+        """
+        self.check(offset, length)
+        if self._tensor is None:
+            require_torch("a tensor over shared memory")
+            from kvstore.client import tensors
+
+            self._tensor = tensors.over(self._open_bytes())
+        return self._tensor[offset : offset + length]
 
     def view(self, offset: int, length: int) -> memoryview:
         """A read-only view of a slot."""
@@ -118,14 +164,31 @@ class _Mapping:
         with memoryview(self._open_map()) as whole:
             return whole[offset : offset + length].toreadonly()
 
-    async def _copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``dst.copy_(src)`` for each pair, in a worker thread when the bytes are many."""
+    async def _copy(
+        self, slots: Slots, data: Sequence[Payload | Target], *, into_slots: bool
+    ) -> None:
+        """Copies ``data[i]`` into slot i (``into_slots``), or slot i into ``data[i]``, in a
+        worker thread when the bytes are many: numpy copies between host buffers (a large
+        copy split over a few threads), torch's ``copy_`` for a tensor on a device."""
+        on_host: list[tuple[Bytes, Bytes]] = []  # (src, dst)
+        on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for slot, item in zip(slots, data, strict=True):
+            flat = as_bytes(item)
+            if isinstance(flat, np.ndarray):
+                here = self.array(*slot)
+                on_host.append((flat, here) if into_slots else (here, flat))
+            else:
+                there = self.tensor(*slot)
+                on_device.append((flat, there) if into_slots else (there, flat))
 
         def copy_all() -> None:
-            for src, dst in pairs:
-                dst.copy_(src)
+            copy_arrays(on_host)
+            if on_device:
+                from kvstore.client import tensors
 
-        if sum(src.numel() for src, _ in pairs) < COPY_IN_THREAD_BYTES:
+                tensors.copy_all(on_device)
+
+        if sum(length for _, length in slots) < COPY_IN_THREAD_BYTES:
             copy_all()
         else:
             await self.in_thread(copy_all)
@@ -146,7 +209,7 @@ class _Mapping:
             raise ValueError("the shared memory is closed")
         return self._mmap
 
-    def _open_bytes(self) -> torch.Tensor:
+    def _open_bytes(self) -> Bytes:
         if self._bytes is None:
             raise ValueError("the shared memory is closed")
         return self._bytes
@@ -170,9 +233,7 @@ class Arena(_Mapping):
 
     async def copy_out(self, slots: Slots, targets: Sequence[Target]) -> None:
         """Copies each slot into the target of the same index (exactly ``length`` bytes)."""
-        await self._copy(
-            [(self.tensor(*slot), as_bytes(dst)) for slot, dst in zip(slots, targets, strict=True)]
-        )
+        await self._copy(slots, targets, into_slots=False)
 
     async def verify(self, slots: Slots, checksums: Sequence[int], what: str) -> None:
         """Checks each slot against the checksum the daemon recorded for its block.
@@ -199,9 +260,7 @@ class Staging(_Mapping):
 
     async def copy_in(self, slots: Slots, sources: Sequence[Payload]) -> None:
         """Copies each source into the slot of the same index (exactly ``length`` bytes)."""
-        await self._copy(
-            [(as_bytes(src), self.tensor(*slot)) for slot, src in zip(slots, sources, strict=True)]
-        )
+        await self._copy(slots, sources, into_slots=True)
 
     async def checksums(self, slots: Slots) -> list[int]:
         """The xxh3-64 of each slot's bytes, as the daemon will check them at Commit."""
@@ -316,22 +375,33 @@ def verify(blocks: Sequence[Buffer], checksums: Sequence[int], what: str) -> Non
             )
 
 
-def as_bytes(data: Payload | Target) -> torch.Tensor:
-    """A flat uint8 tensor sharing ``data``'s memory (a tensor must be contiguous).
+def as_bytes(data: Payload | Target) -> Bytes | torch.Tensor:
+    """``data``'s bytes without a copy: a flat uint8 numpy array over host memory (a buffer,
+    a CPU tensor), or a flat uint8 tensor for a tensor on a device. A tensor must be
+    contiguous.
 
     Raises:
         ValueError: A non-contiguous tensor or buffer.
     """
-    if isinstance(data, torch.Tensor):
-        if not data.is_contiguous():
-            raise ValueError(f"tensor must be contiguous, got strides {data.stride()}")
-        return data.detach().reshape(-1).view(torch.uint8)
-    view = memoryview(data)
+    if is_tensor(data):
+        from kvstore.client import tensors
+
+        return tensors.flat_bytes(data)
+    return buffer_bytes(data)
+
+
+def buffer_bytes(data: Payload | Target) -> Bytes:
+    """A flat uint8 numpy array over a buffer's memory (``data`` is not a tensor).
+
+    Raises:
+        ValueError: A buffer that is not C-contiguous.
+    """
+    view = memoryview(cast(Buffer, data))  # numpy arrays are buffers too
     if not view.c_contiguous:
         raise ValueError("buffer must be C-contiguous")
     if view.nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(view.cast("B") if view.format != "B" else view, dtype=torch.uint8)
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer(view.cast("B") if view.format != "B" else view, dtype=np.uint8)
 
 
 def check_payloads(
@@ -343,11 +413,11 @@ def check_payloads(
         ValueError: Naming the first bad block's index and its size, or why it cannot be used.
     """
     for index, block in enumerate(blocks):
-        if isinstance(block, torch.Tensor):
+        if is_tensor(block):
             nbytes, contiguous, readonly = block.nbytes, block.is_contiguous(), False
         else:
             try:
-                view = memoryview(block)
+                view = memoryview(cast(Buffer, block))
             except TypeError:
                 kind = type(block).__name__
                 raise ValueError(

@@ -29,13 +29,12 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
 from google.protobuf.message import Message
 
 from kvstore.client import wire
 from kvstore.client.connection import Connection, UnknownSessionError
 from kvstore.client.errors import FailedPreconditionError, KVStoreError
-from kvstore.client.shm import Arena, Payload, ShmSession
+from kvstore.client.shm import Arena, Payload, ShmSession, TargetT
 from kvstore.client.wire import Slots, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 
@@ -43,7 +42,6 @@ __all__ = ["Leased", "acquire", "get_stream", "put_shm", "put_stream", "release"
 
 log = logging.getLogger(__name__)
 
-TargetT = TypeVar("TargetT", bytearray, memoryview, torch.Tensor)
 M = TypeVar("M", bound=Message)
 PIPELINE_BYTES = 32 << 20  # a put's blocks per Reserve/Commit round trip, about
 

@@ -12,23 +12,33 @@ import dataclasses
 import enum
 from collections.abc import AsyncIterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, Protocol
 
-import torch
+import numpy as np
 import xxhash
 
 from kvstore.client.errors import CorruptBlockError, ProtocolError
-from kvstore.client.shm import Payload, Target, as_bytes
+from kvstore.client.shm import (
+    Bytes,
+    Payload,
+    Target,
+    TargetT,
+    as_bytes,
+    buffer_bytes,
+    is_tensor,
+)
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.results import LookupResult, TierStats
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LookupResult", "ServerInfo", "Stats", "TierStats", "WriteStatus"]
 
 KEY_BYTES: Final = 32
 DEFAULT_CHUNK_BYTES: Final = 1 << 20
 
-TargetT = TypeVar("TargetT", bytearray, memoryview, torch.Tensor)
 Slots = list[tuple[int, int]]  # (offset, length) in the arena
 
 
@@ -143,7 +153,7 @@ def put_chunks(
     ``checksums``, its xxh3-64) on its first chunk."""
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     for number, (spec, block) in enumerate(zip(specs, blocks, strict=True)):
-        data = as_bytes(block.cpu() if isinstance(block, torch.Tensor) else block).numpy().data
+        data = _host_bytes(block).data
         for start in range(0, len(data), chunk_bytes):
             message = pb.PutChunk(data=bytes(data[start : start + chunk_bytes]))
             if start == 0:
@@ -275,10 +285,19 @@ async def assemble(
     return blocks if out is None else list(out[:done])
 
 
+def _host_bytes(block: Payload) -> Bytes:
+    """A block's bytes in host memory: a view, or a copy of a tensor on a device."""
+    if is_tensor(block):
+        from kvstore.client import tensors
+
+        return tensors.host_bytes(block)
+    return buffer_bytes(block)
+
+
 def _landing(target: Target) -> memoryview | torch.Tensor:
     """Where a block's chunks land: a byte view of host memory, or the device tensor itself."""
     flat = as_bytes(target)
-    return flat if flat.device.type != "cpu" else flat.numpy().data
+    return flat.data if isinstance(flat, np.ndarray) else flat
 
 
 def _copy_chunk(target: memoryview | torch.Tensor, start: int, data: bytes) -> None:
@@ -287,4 +306,7 @@ def _copy_chunk(target: memoryview | torch.Tensor, start: int, data: bytes) -> N
     if isinstance(target, memoryview):
         target[start : start + len(data)] = data
     else:
-        target[start : start + len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+        from kvstore.client import tensors
+
+        chunk = tensors.over(np.frombuffer(data, dtype=np.uint8))
+        target[start : start + len(data)].copy_(chunk)

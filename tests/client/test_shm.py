@@ -7,6 +7,7 @@ import asyncio
 import mmap
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,8 +153,37 @@ def test_as_bytes_views_without_copying() -> None:
     flat = as_bytes(tensor)
     flat[0:4] = 255
 
-    assert flat.dtype == torch.uint8 and flat.numel() == 24
+    assert isinstance(flat, np.ndarray)  # host memory is copied with numpy
+    assert flat.dtype == np.uint8 and flat.shape == (24,)
     assert tensor[0, 0].isnan()  # 0xFFFFFFFF is a NaN: the write landed in the tensor
-    assert as_bytes(b"").numel() == 0
+    assert as_bytes(b"").shape == (0,)
+    halves = np.zeros((2, 4), dtype=np.float16)
+    as_bytes(halves)[0:2] = 255
+    assert np.isnan(halves[0, 0])
+    assert not as_bytes(b"abc").flags.writeable
     with pytest.raises(ValueError, match="contiguous"):
         as_bytes(tensor.t())
+    with pytest.raises(ValueError, match="contiguous"):
+        as_bytes(halves.T)
+
+
+async def test_numpy_arrays_are_payloads_and_targets(areas) -> None:
+    arena, staging, daemon = areas
+    length = 2 * COPY_IN_THREAD_BYTES  # threaded
+    sent = np.random.default_rng(0).integers(0, 2**16, length // 2, dtype=np.uint16)
+    await staging.copy_in([(0, length)], [sent])
+    daemon[0:length] = bytes(staging.view(0, length))
+    received = np.zeros((2, length // 4), dtype=np.uint16)
+    check_payloads([received], length, what="out", writable=True)
+    await arena.copy_out([(0, length)], [received])
+    assert np.array_equal(received.reshape(-1), sent)
+
+
+async def test_tensors_over_the_arena_share_its_memory(areas) -> None:
+    arena, _, daemon = areas
+    daemon[0:4] = b"kvkv"
+    tensor = arena.tensor(0, 4)
+    assert tensor.dtype == torch.uint8 and bytes(tensor.numpy()) == b"kvkv"
+    daemon[0:4] = b"abcd"
+    assert bytes(tensor.numpy()) == b"abcd"  # no copy
+    del tensor
