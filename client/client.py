@@ -59,6 +59,12 @@ class AsyncKVStoreClient:
         retries: Extra attempts of idempotent calls on UNAVAILABLE or DEADLINE_EXCEEDED.
         verify: Check every block read against its stored checksum; send checksums on puts.
         staging_bytes: The staging area to ask for per shm session (puts in flight at once).
+        pin_arena: Register each shm arena with CUDA as page-locked, read-only memory when
+            torch is imported and CUDA is usable, so copies from it to the GPU are DMA (on
+            failure: a warning, once, and unpinned copies). This locks the tenant's whole
+            arena (``host.capacity``) in memory, and is only right when the daemon's host tier
+            holds this one tenant: a byte range that passes to another tenant's arena is given
+            back by the daemon, and a registration keeps reading the pages it had.
 
     Raises:
         ValueError: A malformed address, a timeout <= 0 or retries < 0.
@@ -75,6 +81,7 @@ class AsyncKVStoreClient:
         retries: int = 3,
         verify: bool = False,
         staging_bytes: int = 256 << 20,
+        pin_arena: bool = False,
     ) -> None:
         self._conn = Connection(
             address,
@@ -84,6 +91,7 @@ class AsyncKVStoreClient:
             timeout=timeout,
             retries=retries,
             staging_bytes=staging_bytes,
+            pin_arena=pin_arena,
         )
         self.verify = verify
 

@@ -88,6 +88,7 @@ class Connection:
         timeout: float,
         retries: int,
         staging_bytes: int = 256 << 20,
+        pin_arena: bool = False,
     ) -> None:
         if not address.startswith("unix:") and not address.rpartition(":")[2].isdigit():
             raise ValueError(
@@ -102,6 +103,7 @@ class Connection:
         self.sessions: dict[str, ShmSession] = {}
         self._token = token or ""
         self._staging_bytes = staging_bytes
+        self._pin_arena = pin_arena
         self._use_shm = use_shm
         self._no_shm: set[str] = set()  # tenants whose session the daemon refused
         self._releases: set[asyncio.Task[None]] = set()
@@ -285,7 +287,7 @@ class Connection:
         info = self.info
         hello = Hello(self._token, tenant, self._staging_bytes)
         try:
-            opened = await ShmSession.open(info.shm_socket, hello)
+            opened = await ShmSession.open(info.shm_socket, hello, pin_arena=self._pin_arena)
         except (OSError, SessionError) as error:
             log.info("%s: no shm session (%s); streaming instead", self.address, error)
             if isinstance(error, SessionError):

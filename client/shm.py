@@ -20,6 +20,10 @@ Copies of ``COPY_IN_THREAD_BYTES`` or more run in a worker thread (both drop the
 cancelled caller still waits for that thread: a slot is released or aborted only once nothing
 touches it any more. :func:`verify` checks bytes against the checksum the daemon recorded
 when the block was committed.
+
+Opened with ``pin_arena`` and CUDA usable in this process, the arena's read-only mapping is
+registered with CUDA as page-locked memory (``cudaHostRegister``, read-only), so copies from
+it to the GPU are DMA; when that fails, a warning is logged once and copies run unpinned.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ __all__ = [
     "check_payloads",
     "is_tensor",
     "require_torch",
+    "torch_imported",
     "verify",
 ]
 
@@ -78,6 +83,11 @@ Slots = Sequence[tuple[int, int]]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def torch_imported() -> bool:
+    """Whether torch has been imported here, so that a tensor may exist (none can before)."""
+    return sys.modules.get("torch") is not None
 
 
 def is_tensor(data: object) -> TypeGuard[torch.Tensor]:
@@ -169,7 +179,8 @@ class _Mapping:
     ) -> None:
         """Copies ``data[i]`` into slot i (``into_slots``), or slot i into ``data[i]``, in a
         worker thread when the bytes are many: numpy copies between host buffers (a large
-        copy split over a few threads), torch's ``copy_`` for a tensor on a device."""
+        copy split over a few threads), torch's ``copy_`` for a tensor on a device
+        (asynchronous from a pinned arena)."""
         on_host: list[tuple[Bytes, Bytes]] = []  # (src, dst)
         on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
         for slot, item in zip(slots, data, strict=True):
@@ -180,18 +191,24 @@ class _Mapping:
             else:
                 there = self.tensor(*slot)
                 on_device.append((flat, there) if into_slots else (there, flat))
+        pinned = self.pinned
 
         def copy_all() -> None:
             copy_arrays(on_host)
             if on_device:
                 from kvstore.client import tensors
 
-                tensors.copy_all(on_device)
+                tensors.copy_all(on_device, pinned=pinned)
 
         if sum(length for _, length in slots) < COPY_IN_THREAD_BYTES:
             copy_all()
         else:
             await self.in_thread(copy_all)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the mapping is registered with CUDA as page-locked memory."""
+        return False
 
     async def in_thread(self, call: Callable[[], T]) -> T:
         """Runs work on the mapping in a worker thread; ``aclose`` waits until it is done."""
@@ -216,11 +233,59 @@ class _Mapping:
 
 
 class Arena(_Mapping):
-    """The tenant's arena, mapped read-only; ``arena_id`` names it in Acquire replies."""
+    """The tenant's arena, mapped read-only; ``arena_id`` names it in Acquire replies.
 
-    def __init__(self, fd: int, size: int, arena_id: bytes) -> None:
+    With ``pin``, the mapping is registered with CUDA as page-locked, read-only memory when
+    torch is imported and CUDA is usable (see the module docstring); ``close`` unregisters
+    it.
+    """
+
+    _pin_failed = False  # a registration failed (and was logged) in this process
+
+    def __init__(self, fd: int, size: int, arena_id: bytes, *, pin: bool = False) -> None:
         super().__init__(fd, size, writable=False)
         self.arena_id = arena_id
+        self._registered = 0  # the address registered with CUDA; 0: none
+        if pin:
+            self._pin()
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered != 0
+
+    def close(self) -> None:
+        self._unpin()
+        super().close()
+
+    def _pin(self) -> None:
+        if not torch_imported() or self.size == 0:
+            return
+        from kvstore.client import tensors
+
+        if not tensors.cuda_ready():
+            return
+        address = self._open_bytes().ctypes.data
+        flags = tensors.CUDA_HOST_REGISTER_PORTABLE | tensors.CUDA_HOST_REGISTER_READ_ONLY
+        code = tensors.register_host(address, self.size, flags)
+        if code == 0:
+            self._registered = address
+        elif not Arena._pin_failed:  # once per process: each session would say the same
+            Arena._pin_failed = True
+            log.warning(
+                "cannot register the %d-byte arena with CUDA (cudaError %d); copies from it "
+                "to the GPU run unpinned",
+                self.size,
+                code,
+            )
+
+    def _unpin(self) -> None:
+        address, self._registered = self._registered, 0
+        if address:
+            from kvstore.client import tensors
+
+            code = tensors.unregister_host(address)
+            if code != 0:
+                log.warning("cannot unregister the arena from CUDA (cudaError %d)", code)
 
     async def read(self, slots: Slots) -> list[bytes]:
         """New bytes objects holding the slots' contents."""
@@ -320,17 +385,18 @@ class ShmSession:
         return self.info.session
 
     @classmethod
-    async def open(cls, path: str, hello: Hello) -> ShmSession:
-        """Opens a session on the daemon's session socket ``path``.
+    async def open(cls, path: str, hello: Hello, *, pin_arena: bool = False) -> ShmSession:
+        """Opens a session on the daemon's session socket ``path``; with ``pin_arena``, the
+        arena is registered with CUDA when it can be (:class:`Arena`).
 
         Raises:
             OSError: the socket cannot be reached.
             SessionError: the daemon refused (its gRPC status name in ``code``).
         """
-        return await asyncio.to_thread(cls._open_blocking, path, hello)
+        return await asyncio.to_thread(cls._open_blocking, path, hello, pin_arena)
 
     @classmethod
-    def _open_blocking(cls, path: str, hello: Hello) -> ShmSession:
+    def _open_blocking(cls, path: str, hello: Hello, pin_arena: bool = False) -> ShmSession:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
         try:
@@ -343,8 +409,8 @@ class ShmSession:
             info = decode_reply(data)
             if len(fds) != 2:
                 raise SessionError("INTERNAL", f"the daemon sent {len(fds)} descriptors, not 2")
-            arena = Arena(fds[0], info.arena_bytes, info.arena_id)
             staging = Staging(fds[1], info.staging_bytes)
+            arena = Arena(fds[0], info.arena_bytes, info.arena_id, pin=pin_arena)  # pins last
             fds = []
             sock.settimeout(None)
             return cls(sock, hello.tenant, info, arena, staging)

@@ -78,6 +78,7 @@ class KVStoreClient:
         retries: int = 3,
         verify: bool = False,
         staging_bytes: int = 256 << 20,
+        pin_arena: bool = False,
     ) -> None:
         self._client = AsyncKVStoreClient(
             address,
@@ -88,6 +89,7 @@ class KVStoreClient:
             retries=retries,
             verify=verify,
             staging_bytes=staging_bytes,
+            pin_arena=pin_arena,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

@@ -9,25 +9,38 @@ for tensors only then (:func:`kvstore.client.shm.is_tensor`) and comes here for 
 - :func:`host_bytes`: a tensor's bytes as a uint8 numpy array in host memory (a device
   tensor is copied to the host);
 - :func:`over`: a uint8 CPU tensor sharing a numpy array's memory (read-only arrays too);
-- :func:`copy_all`: copies between host and device tensors, finished when it returns.
+- :func:`copy_all`: copies between host and device tensors, asynchronous from pinned memory,
+  all finished when it returns;
+- :func:`register_host` / :func:`unregister_host`: ``cudaHostRegister`` of a host range so
+  that copies from it to the GPU are DMA.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 __all__ = [
+    "CUDA_HOST_REGISTER_PORTABLE",
+    "CUDA_HOST_REGISTER_READ_ONLY",
     "copy_all",
+    "cuda_ready",
     "empty",
     "flat_bytes",
     "host_bytes",
     "over",
+    "register_host",
+    "unregister_host",
 ]
+
+log = logging.getLogger(__name__)
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -38,6 +51,12 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(b"\0", dtype=torch.uint8)
     torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
+
+# cudaHostRegister flags (cuda_runtime_api.h): usable from every CUDA context, and a range
+# the process may only read (the arena is mapped read-only, so the driver must not ask for
+# write access).
+CUDA_HOST_REGISTER_PORTABLE = 0x01
+CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 
 def flat_bytes(tensor: torch.Tensor) -> Bytes | torch.Tensor:
@@ -75,8 +94,51 @@ def empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, pinned: bool) -> None:
     """``dst.copy_(src)`` for each ``(src, dst)`` pair of flat uint8 tensors, one of them on a
-    device."""
+    device; with ``pinned`` (the host side is page-locked) copies to CUDA are queued without
+    waiting, and all are finished when this returns (the host memory may be reused then)."""
+    waiting: set[torch.device] = set()
     for src, dst in pairs:
-        dst.copy_(src)
+        non_blocking = pinned and dst.device.type == "cuda" and src.device.type == "cpu"
+        dst.copy_(src, non_blocking=non_blocking)
+        if non_blocking:
+            waiting.add(dst.device)
+    for device in waiting:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def cuda_ready() -> bool:
+    """Whether this process can use CUDA (without initialising it when it cannot)."""
+    return bool(torch.cuda.is_available())
+
+
+def register_host(address: int, nbytes: int, flags: int) -> int:
+    """``cudaHostRegister(address, nbytes, flags)``: its cudaError code, 0 when registered."""
+    return _cuda_call(lambda cudart: cudart.cudaHostRegister(address, nbytes, flags))
+
+
+def unregister_host(address: int) -> int:
+    """``cudaHostUnregister(address)``: its cudaError code, 0 when done."""
+    return _cuda_call(lambda cudart: cudart.cudaHostUnregister(address))
+
+
+def _cuda_call(call: Callable[[Any], Any]) -> int:
+    """``call(torch.cuda.cudart())``'s cudaError code, -1 when there is no CUDA runtime.
+
+    Runs in a thread of its own that then ends: a failed CUDA runtime call leaves its error
+    as the calling thread's "last error", which a later, unrelated check in that thread
+    (torch checks it after kernel launches) would take for its own.
+    """
+    result: list[int] = []
+
+    def run() -> None:
+        try:
+            result.append(int(call(torch.cuda.cudart())))  # type: ignore[no-untyped-call]
+        except Exception as error:  # a build without CUDA, or CUDA cannot start
+            log.debug("CUDA runtime call failed: %s", error)
+
+    thread = threading.Thread(target=run, name="kvstore-cuda-host")
+    thread.start()
+    thread.join()
+    return result[0] if result else -1

@@ -272,3 +272,50 @@ async def test_cuda_tensors_in_and_out(
 
     for sent, received in zip(blocks, out, strict=True):
         assert torch.equal(sent.view(torch.int16), received.view(torch.int16))
+
+
+async def pinned_client_round_trip(
+    daemon: Daemon, namespace: Namespace, device: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Puts two blocks through a client made with ``pin_arena=True``, gets them into tensors
+    on ``device`` and views them; the blocks sent and received."""
+    model = namespace.model
+    shape = (model.num_layers, 2, model.num_kv_heads, model.block_tokens, model.head_dim)
+    keys = chain(namespace, 2)
+    blocks = [torch.randn(shape, dtype=torch.float16, device=device) for _ in keys]
+    out = [torch.empty(shape, dtype=torch.float16, device=device) for _ in keys]
+    async with AsyncKVStoreClient(daemon.address, pin_arena=True) as client:
+        assert await client.put(namespace, keys, blocks) == [WriteStatus.STORED] * 2
+        assert len(await client.get(namespace, keys, out=out)) == 2
+        arena = client._conn.sessions[namespace.tenant].arena
+        pinned = arena.pinned
+        async with client.view_tensors(namespace, keys) as views:
+            views_pinned = [view.is_pinned() for view in views] if pinned else []
+    assert not arena.pinned  # unregistered on close
+    if device == "cuda":
+        assert pinned and views_pinned == [True, True]
+    else:
+        assert not pinned
+    return blocks, out
+
+
+async def test_pin_arena_without_cuda_maps_unpinned(
+    daemon: Daemon, namespace: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is usable here: test_pin_arena_registers_with_cuda covers it")
+    blocks, out = await pinned_client_round_trip(daemon, namespace, "cpu")
+    for sent, received in zip(blocks, out, strict=True):
+        assert torch.equal(sent.view(torch.int16), received.view(torch.int16))
+    assert "CUDA" not in caplog.text  # nothing to register: no warning
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_pin_arena_registers_with_cuda(
+    daemon: Daemon, namespace: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocks, out = await pinned_client_round_trip(daemon, namespace, "cuda")
+    for sent, received in zip(blocks, out, strict=True):
+        assert torch.equal(sent.view(torch.int16), received.view(torch.int16))
+    assert "cannot register" not in caplog.text

@@ -187,3 +187,62 @@ async def test_tensors_over_the_arena_share_its_memory(areas) -> None:
     daemon[0:4] = b"abcd"
     assert bytes(tensor.numpy()) == b"abcd"  # no copy
     del tensor
+
+
+async def test_without_cuda_a_pinned_arena_is_mapped_unpinned(caplog) -> None:
+    """``pin=True`` where CUDA is not usable: no registration, no warning, copies work."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is usable here: tests/client/test_client.py pins for real")
+    fd = memfd()
+    arena = Arena(read_only(fd), AREA_BYTES, b"a" * 16, pin=True)
+    os.close(fd)
+    assert not arena.pinned
+    out = bytearray(4096)
+    await arena.copy_out([(0, 4096)], [out])
+    await arena.aclose()
+    assert "CUDA" not in caplog.text
+
+
+def pinned_arenas(count: int) -> list[Arena]:
+    arenas = []
+    for _ in range(count):
+        fd = memfd()
+        arenas.append(Arena(read_only(fd), AREA_BYTES, b"a" * 16, pin=True))
+        os.close(fd)
+    return arenas
+
+
+async def test_a_registered_arena_is_unregistered_on_close(monkeypatch) -> None:
+    """The CUDA calls stubbed: what the arena asks for, and that it undoes it."""
+    from kvstore.client import tensors
+
+    registered: list[tuple[int, int, int]] = []
+    unregistered: list[int] = []
+    monkeypatch.setattr(tensors, "cuda_ready", lambda: True)
+    monkeypatch.setattr(tensors, "register_host", lambda *call: registered.append(call) or 0)
+    monkeypatch.setattr(
+        tensors, "unregister_host", lambda address: unregistered.append(address) or 0
+    )
+    (arena,) = pinned_arenas(1)
+    address = arena.array(0, 1).ctypes.data
+    assert arena.pinned
+    assert registered == [(address, AREA_BYTES, 0x01 | 0x08)]  # portable, read-only
+    out = bytearray(4096)
+    await arena.copy_out([(0, 4096)], [out])
+    await arena.aclose()
+    assert unregistered == [address] and not arena.pinned
+
+
+async def test_a_failed_registration_warns_once_and_copies_unpinned(monkeypatch, caplog) -> None:
+    from kvstore.client import tensors
+
+    monkeypatch.setattr(tensors, "cuda_ready", lambda: True)
+    monkeypatch.setattr(tensors, "register_host", lambda *call: 801)  # cudaErrorNotSupported
+    monkeypatch.setattr(Arena, "_pin_failed", False)
+    arenas = pinned_arenas(2)
+    assert not any(arena.pinned for arena in arenas)
+    assert caplog.text.count("cannot register") == 1
+    out = bytearray(4096)
+    await arenas[1].copy_out([(0, 4096)], [out])
+    for arena in arenas:
+        await arena.aclose()
