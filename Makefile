@@ -5,13 +5,17 @@ VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
+# pyproject.toml asks for ranges (torch>=2.4 in the engine extra); this holds the venvs made
+# here to the CPU build of torch that dev machines install offline. pip applies constraints
+# to everything it resolves, the extras' requirements included.
+CONSTRAINTS := constraints.txt
 
-.PHONY: install redis-server lint typecheck test serve bench-tiers protos clean
+.PHONY: install redis-server lint typecheck test check-install serve bench-tiers protos clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -39,6 +43,11 @@ typecheck: install
 
 test: install redis-server lint typecheck
 	$(VENV)/bin/pytest
+
+# What `pip install .` alone gives: a fresh venv (no system packages) where the daemon runs
+# and the client works, and torch is not installed. A slow test, also run by `make test`.
+check-install: install
+	$(VENV)/bin/pytest -q -m slow tests/test_packaging.py
 
 # The daemon on its embedded defaults (host tier sized from free memory, SSD under the user
 # cache dir, Redis off, a unix socket under the user runtime dir). Ctrl-C stops it cleanly.

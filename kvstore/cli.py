@@ -9,7 +9,7 @@
 - ``kvstore chat [...]`` runs the scripted multi-turn chat demo
   (:mod:`kvstore.inference_adapter.demo`) and ``kvstore bench chat [...]`` the end-to-end
   benchmark (:mod:`kvstore.inference_adapter.bench`); their modules, and torch, load only
-  when they run.
+  when they run (without torch: a message naming the ``engine`` extra, exit status 2).
 
 This is the entry point: the only place that installs uvloop.
 """
@@ -31,6 +31,7 @@ from kvstore.protos.kvstore.v1 import kvstore_pb2
 __all__ = ["format_stats", "main"]
 
 log = logging.getLogger("kvstore")
+ENGINE_MODULES = ("torch", "triton")  # what the engine-side commands need beyond the daemon
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,7 +40,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     delegated = {tuple(name.split()): module for name, module, _ in _DELEGATED}
     for words, module in delegated.items():
         if tuple(argv[: len(words)]) == words:  # its own parser takes every argument
-            command: Callable[[list[str]], int] = importlib.import_module(module).main
+            try:
+                command: Callable[[list[str]], int] = importlib.import_module(module).main
+            except ModuleNotFoundError as error:
+                if error.name not in ENGINE_MODULES:
+                    raise
+                print(
+                    f"kvstore {' '.join(words)}: needs {error.name}, which is not installed: "
+                    "pip install 'kvstore[engine]'",
+                    file=sys.stderr,
+                )
+                return 2
             return command(argv[len(words) :])
     args = _parser().parse_args(argv)
     try:
