@@ -122,6 +122,18 @@ class AsyncKVStoreClient:
         return self._conn.address
 
     @property
+    def timeout(self) -> float:
+        """Seconds per call attempt; may be changed between calls (e.g. a long one to
+        connect, then a short deadline for calls on a latency-critical path)."""
+        return self._conn.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {seconds!r}")
+        self._conn.timeout = float(seconds)
+
+    @property
     def data_plane(self) -> Literal["shm", "stream"]:
         """``"shm"`` when KV bytes move through shared memory, else ``"stream"``."""
         return "shm" if self._conn.shm_possible else "stream"

@@ -63,6 +63,10 @@ _CHANNEL_OPTIONS: Final = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # A new client gets subchannels of its own. gRPC shares them per address across a
+    # process's channels by default, so a client made right after the daemon came back
+    # inherited the dead one's backoff and failed at once ("connection refused").
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 BACKOFF_BASE, BACKOFF_CAP = 0.05, 2.0  # seconds: first retry delay, and the most of any
 

@@ -137,6 +137,15 @@ class KVStoreClient:
         return self._client.address
 
     @property
+    def timeout(self) -> float:
+        """Seconds per call attempt (see :attr:`AsyncKVStoreClient.timeout`)."""
+        return self._client.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._client.timeout = seconds
+
+    @property
     def data_plane(self) -> Literal["shm", "stream"]:
         """``"shm"`` when KV bytes move through the mapped arena, else ``"stream"``."""
         return self._client.data_plane

@@ -131,6 +131,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_like_vllm()
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         self.llama = LlamaConfig.from_dict(vllm_config.model_config.hf_config.to_dict())
@@ -149,7 +150,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     "load that fails (daemon gone mid-step) is recomputed, not an error",
                     transfer.kv_load_failure_policy,
                 )
-            link = self._link("scheduler", timeout=self.settings.lookup_timeout_s, retries=0)
+            link = self._link("scheduler", call_timeout=self.settings.lookup_timeout_s, retries=0)
             self._scheduler = SchedulerSide(
                 self.namespace,
                 self.block_size,
@@ -166,15 +167,19 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.namespace.model.block_tokens,
         )
 
-    def _link(self, role: str, **options: object) -> Link:
+    def _link(
+        self, role: str, *, call_timeout: float, wait_for_connect: bool = False, retries: int = 3
+    ) -> Link:
         return Link(
             self.settings.address,
             self.namespace,
             retry_s=self.settings.retry_s,
             role=role,
+            call_timeout=call_timeout,
+            wait_for_connect=wait_for_connect,
             token=self.settings.token(),
             use_shm=self.settings.use_shm,
-            **options,
+            retries=retries,
         )
 
     # Scheduler side ------------------------------------------------------------------------
@@ -240,7 +245,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         log.info("KVStoreConnector: %d layers in the %r KV layout", len(layers), layout)
         device = layers[0].k.device
         self._layer_index = {name: index for index, name in enumerate(names)}
-        link = self._link("worker", timeout=max(self.settings.load_timeout_s, 10.0))
+        link = self._link(
+            "worker", call_timeout=max(self.settings.load_timeout_s, 10.0), wait_for_connect=True
+        )
         link.warm()
         self._worker = WorkerSide(
             link,
@@ -333,6 +340,19 @@ def check_cpu_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: A
                 f"vLLM's CPU attention (ISA {isa!r}, {dtype}) lays KV out in a way "
                 "KVStoreConnector does not read; it refuses to run rather than store wrong KV"
             )
+
+
+def _log_like_vllm() -> None:
+    """Sends kvstore's log lines through vLLM's handlers (same format, same stream), unless
+    the process configured logging for kvstore itself."""
+    ours = logging.getLogger("kvstore")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        ours.addHandler(handler)
+    if ours.handlers:
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
 
 
 def _layer_number(name: str) -> tuple[int, str]:

@@ -1,10 +1,19 @@
 """A daemon connection that fails soft: vLLM keeps serving while the daemon is away.
 
-``Link.call(fn)`` runs ``fn(client)`` on a connected :class:`~kvstore.client.KVStoreClient`,
-connecting first when there is none. When the daemon cannot be reached (at start or later),
-the failure is logged once, the client is dropped, and for ``retry_s`` every call fails at
-once with :class:`DaemonDown` instead of waiting on a dead socket: the caller answers "miss"
-and vLLM recomputes. The first call after that tries again; the first success logs one line.
+``Link.call(fn)`` runs ``fn(client)`` on a connected :class:`~kvstore.client.KVStoreClient`
+whose calls have the deadline ``call_timeout``. A connection is opened with the longer
+``connect_timeout`` (a handshake and the shared-memory session take longer than a Lookup
+should). Where there is none:
+
+- ``wait_for_connect=False`` (the scheduler: admission must not wait): a background thread
+  opens one and the call fails at once with :class:`DaemonDown`; the caller answers "miss"
+  and vLLM recomputes;
+- ``wait_for_connect=True`` (the worker's load and save threads): the call connects first.
+
+After a failure (at start or later) the link answers ``DaemonDown`` for ``retry_s`` before
+it tries again. A daemon going away is logged once, and so is its return.
+
+``warm()`` connects in the caller's thread, for the start of the process.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ T = TypeVar("T")
 
 
 class DaemonDown(ConnectionError):
-    """The daemon did not answer; the connector waits ``retry_s`` before trying again."""
+    """No connection to the daemon now; one is being opened, or tried after ``retry_s``."""
 
 
 class Link:
@@ -33,9 +42,12 @@ class Link:
     Args:
         address: The daemon's address.
         namespace: Registered on every new connection.
-        retry_s: How long to answer ``DaemonDown`` after a failure.
+        retry_s: How long to answer ``DaemonDown`` after a failure before trying again.
         role: Names this side in log lines ("scheduler", "worker").
-        client_options: Passed to :class:`KVStoreClient` (token, timeout, retries, use_shm).
+        call_timeout: Seconds per call once connected.
+        connect_timeout: Seconds per call while connecting.
+        wait_for_connect: Whether a call without a connection opens one itself.
+        client_options: Passed to :class:`KVStoreClient` (token, retries, use_shm, ...).
     """
 
     def __init__(
@@ -45,27 +57,35 @@ class Link:
         *,
         retry_s: float,
         role: str,
+        call_timeout: float = 10.0,
+        connect_timeout: float = 10.0,
+        wait_for_connect: bool = False,
         **client_options: object,
     ) -> None:
         self.address = address
         self.namespace = namespace
         self.retry_s = retry_s
         self.role = role
+        self.call_timeout = call_timeout
+        self.connect_timeout = connect_timeout
+        self.wait_for_connect = wait_for_connect
         self._options = client_options
         self._client: KVStoreClient | None = None
+        self._connecting: threading.Thread | None = None
         self._down_until = 0.0
         self._was_down = False
+        self._closed = False
         self._lock = threading.Lock()
         self.failures = 0
 
     def call(self, fn: Callable[[KVStoreClient], T]) -> T:
-        """``fn(client)``; ``DaemonDown`` when the daemon cannot be reached now.
+        """``fn(client)``; ``DaemonDown`` at once when there is no connection now.
 
         Any other error passes through; the client is dropped (and the daemon counted down)
         unless the error is about the call's own arguments or answer (``ValueError``,
         ``LookupError``), which a new connection would not change.
         """
-        client = self._connected()
+        client = self._client_or_connect()
         try:
             return fn(client)
         except (ValueError, LookupError):
@@ -75,39 +95,72 @@ class Link:
             raise
 
     def warm(self) -> bool:
-        """Connects now (at start, off the first request's path); ``False`` when the daemon
-        is down, which is logged and retried later like any failure."""
-        try:
-            self._connected()
-        except DaemonDown:
-            return False
-        return True
+        """Connects in this thread (at start, off any request's path); ``False`` when the
+        daemon is down, which is logged, and retried later like any failure."""
+        with self._lock:
+            if self._client is not None:
+                return True
+            if self._connecting is not None:
+                return False
+        return self._connect() is not None
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Waits for a background connect in flight (tests and shutdown paths)."""
+        thread = self._connecting
+        if thread is not None:
+            thread.join(timeout)
+        return self._client is not None
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             client, self._client = self._client, None
         if client is not None:
             client.close()
 
-    def _connected(self) -> KVStoreClient:
+    def _client_or_connect(self) -> KVStoreClient:
         with self._lock:
             if self._client is not None:
                 return self._client
-            if time.monotonic() < self._down_until:
-                raise DaemonDown(f"kvstore daemon at {self.address} is down")
-            client = KVStoreClient(self.address, **self._options)  # type: ignore[arg-type]
-            try:
-                client.connect()
-                client.register(self.namespace)
-            except Exception as error:
-                client.close()
+            connecting = self._connecting
+            if connecting is None and not self._closed and time.monotonic() >= self._down_until:
+                connecting = self._connecting = threading.Thread(
+                    target=self._connect, name=f"kvstore-{self.role}-connect", daemon=True
+                )
+                connecting.start()
+        if self.wait_for_connect and connecting is not None:
+            connecting.join(self.connect_timeout * 3)
+            with self._lock:
+                if self._client is not None:
+                    return self._client
+        raise DaemonDown(f"kvstore daemon at {self.address}: not connected")
+
+    def _connect(self) -> KVStoreClient | None:
+        client = KVStoreClient(
+            self.address,
+            timeout=self.connect_timeout,
+            **self._options,  # type: ignore[arg-type]
+        )
+        try:
+            client.connect()
+            client.register(self.namespace)
+            client.timeout = self.call_timeout
+        except Exception as error:
+            client.close()
+            with self._lock:
+                self._connecting = None
                 self._mark_down(error)
-                raise DaemonDown(f"kvstore daemon at {self.address}: {error}") from error
+            return None
+        with self._lock:
+            self._connecting = None
+            if self._closed:
+                client.close()
+                return None
             if self._was_down:
                 log.warning("kvstore %s: daemon at %s answers again", self.role, self.address)
             self._was_down = False
             self._client = client
-            return client
+        return client
 
     def _failed(self, client: KVStoreClient, error: Exception) -> None:
         with self._lock:
@@ -118,6 +171,7 @@ class Link:
         client.close()
 
     def _mark_down(self, error: Exception) -> None:
+        """Under the lock: no new connection for ``retry_s``; one log line per outage."""
         self.failures += 1
         self._down_until = time.monotonic() + self.retry_s
         if not self._was_down:

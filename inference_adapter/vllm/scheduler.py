@@ -128,11 +128,15 @@ class SchedulerSide:
         self.hit_blocks = 0
 
     def matched_tokens(self, request: TrackedRequest, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` the daemon can provide (0 on any failure)."""
+        """Tokens beyond ``num_computed_tokens`` the daemon can provide (0 on any failure).
+
+        The lookup also runs when vLLM's own prefix cache covers the usable blocks: the
+        blocks the daemon holds are then not saved again.
+        """
         tracked = self._track(request)
         prompt = list(request.prompt_token_ids or ())
         usable = (len(prompt) - 1) // self.block_tokens  # one prompt token is always computed
-        if not self._load or usable * self.block_tokens <= num_computed_tokens:
+        if usable <= 0:
             return 0
         if len(tracked.keys) < usable:
             tracked.keys = block_keys(prompt[: usable * self.block_tokens], self.namespace)
@@ -144,6 +148,9 @@ class SchedulerSide:
             log.debug("lookup of request %s failed: %s", request.request_id, error)
             return 0
         self.looked_up_blocks += len(keys)
+        tracked.next_save = max(tracked.next_save, held)  # held blocks are never saved again
+        if not self._load:
+            return 0
         self._matches[request.request_id] = _Match(keys, held, num_computed_tokens)
         return max(0, held * self.block_tokens - num_computed_tokens)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 from kvstore.client import (
     ROOT_KEY,
     AsyncKVStoreClient,
+    KVStoreClient,
+    KVStoreError,
     Namespace,
     NotConnectedError,
     WriteStatus,
@@ -319,3 +322,18 @@ async def test_pin_arena_registers_with_cuda(
     for sent, received in zip(blocks, out, strict=True):
         assert torch.equal(sent.view(torch.int16), received.view(torch.int16))
     assert "cannot register" not in caplog.text
+
+
+def test_a_new_client_connects_at_once_after_the_daemon_came_back(tmp_path: Path) -> None:
+    """Clients made during an outage fail; one made right after the restart must not
+    inherit their reconnect backoff (gRPC shares subchannels per address by default)."""
+    daemon = Daemon(tmp_path)
+    try:
+        for _ in range(3):  # refused attempts push the shared backoff up
+            with pytest.raises(KVStoreError):
+                KVStoreClient(daemon.address, retries=0, timeout=1.0).connect()
+        daemon.start()
+        with KVStoreClient(daemon.address, retries=0, timeout=5.0) as client:
+            assert client.health()
+    finally:
+        daemon.close()

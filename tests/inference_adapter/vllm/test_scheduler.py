@@ -66,11 +66,16 @@ def test_a_lookup_failure_is_a_miss() -> None:
     assert side.lookup_errors == 1
 
 
-def test_no_lookup_when_nothing_past_vllms_own_hit_could_load() -> None:
-    side, asked = planner(held=100)
+def test_vllms_own_hit_is_not_loaded_again_nor_saved_again() -> None:
+    side, asked = planner(held=2)
     assert side.matched_tokens(FakeRequest("short", list(range(32))), 0) == 0  # one block only
-    assert side.matched_tokens(FakeRequest("cached", list(range(100))), 96) == 0
-    assert asked == []
+    assert asked == []  # no full block but the last: nothing to ask
+    cached = FakeRequest("cached", list(range(1, 101)))
+    assert side.matched_tokens(cached, 96) == 0  # vLLM computed all 3 usable blocks itself
+    assert len(asked) == 1  # asked anyway: which of them the daemon holds
+    side.scheduled("cached", [0, 1, 2, 3], computed=100, replace=True)
+    (save,) = side.plan_step().saves
+    assert save.first_block == 2 and len(save.keys) == 1  # the daemon held blocks 0 and 1
 
 
 def test_saves_follow_the_kv_a_step_computes_in_order_and_once() -> None:
@@ -133,10 +138,16 @@ def test_roles_turn_loads_and_saves_off() -> None:
     assert consumer.matched_tokens(request, 0) == 6 * 32
     consumer.scheduled("r", list(range(7)), computed=199, replace=True)
     assert consumer.plan_step().saves == ()
-    producer, asked = planner(held=100, load=False)
-    assert producer.matched_tokens(request, 0) == 0 and asked == []
+    producer, asked = planner(held=2, load=False)
+    assert producer.matched_tokens(request, 0) == 0 and len(asked) == 1
     producer.scheduled("r", list(range(7)), computed=199, replace=True)
-    assert len(producer.plan_step().saves[0].keys) == 6
+    assert producer.plan_step().loads == ()
+    assert len(producer.plan_step().saves) == 0  # planned once, in the step before
+    producer2, _ = planner(held=2, load=False)
+    producer2.matched_tokens(request, 0)
+    producer2.scheduled("r", list(range(7)), computed=199, replace=True)
+    (save,) = producer2.plan_step().saves
+    assert save.first_block == 2 and len(save.keys) == 4  # blocks 2..5: 0, 1 are held
 
 
 def test_a_preempted_request_gets_its_new_blocks_and_keeps_what_it_saved() -> None:

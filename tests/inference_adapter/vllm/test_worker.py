@@ -70,7 +70,15 @@ def worker_for(
         layer_kv(make_layer(layout, device), kind, num_kv_heads=HEADS, head_dim=DIM)
         for _ in range(LAYERS)
     ]
-    link = Link(daemon.address, namespace, retry_s=0.1, role="worker", timeout=10.0)
+    link = Link(
+        daemon.address,
+        namespace,
+        retry_s=0.1,
+        role="worker",
+        call_timeout=10.0,
+        wait_for_connect=True,
+    )
+    link.warm()  # as the connector does at start
     rope = rope_tables(RopeConfig(head_dim=DIM), 4096, device)
     worker = WorkerSide(link, namespace, layers, rope, save_queue_blocks=64, load_timeout_s=10)
     return worker, layers
@@ -167,7 +175,14 @@ def test_a_dead_daemon_fails_the_load_for_recompute_without_waiting(tmp_path: Pa
 def test_saving_more_than_the_queue_holds_drops_and_counts(daemon: Daemon) -> None:
     model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
     namespace = Namespace(model, "drops")
-    link = Link(daemon.address, namespace, retry_s=0.1, role="worker", timeout=30.0)
+    link = Link(
+        daemon.address,
+        namespace,
+        retry_s=0.1,
+        role="worker",
+        call_timeout=30.0,
+        wait_for_connect=True,
+    )
     layers = [
         layer_kv(make_layer("cpu", "cpu"), "cpu", num_kv_heads=HEADS, head_dim=DIM)
         for _ in range(LAYERS)
