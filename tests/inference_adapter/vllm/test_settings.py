@@ -11,6 +11,7 @@ def test_only_the_address_is_needed() -> None:
     settings = ConnectorSettings.from_extra_config({"address": "unix:/run/kvstore/kvstore.sock"})
     assert settings.tenant == "" and settings.token() is None and settings.block_tokens is None
     assert settings.lookup_timeout_s == 0.5 and settings.save_queue_blocks == 256
+    assert settings.use_shm and not settings.pin_arena
 
 
 def test_the_token_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,6 +33,7 @@ def test_the_token_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch
         ({"address": "a", "lookup_timeout_s": -1}, "'lookup_timeout_s' must be seconds > 0"),
         ({"address": "a", "load_timeout_s": float("nan")}, "'load_timeout_s' must be seconds"),
         ({"address": "a", "use_shm": "yes"}, "'use_shm' must be true or false, got 'yes'"),
+        ({"address": "a", "pin_arena": 1}, "'pin_arena' must be true or false, got 1"),
         ({"address": "a", "token_env": "KVSTORE_TEST_UNSET_VAR"}, "'KVSTORE_TEST_UNSET_VAR'"),
         ({"address": "a", "save_queue_blocks": True}, "'save_queue_blocks' must be an integer"),
     ],
