@@ -4,7 +4,10 @@ Runs inside a Python environment that has vLLM (``python -m
 kvstore.inference_adapter.bench.vllm_chat --help``) and prints one JSON object: per session,
 per turn, the greedy output tokens, the prompt tokens vLLM took from a cache
 (``num_cached_tokens``; vLLM's own prefix cache is off, so they are kvstore's) and the time
-to first token. The tests and ``kvstore bench vllm`` compare such runs.
+to first token. The tests and ``kvstore bench vllm`` compare such runs. Between turns the
+driver lets the connector's saves reach the daemon (a user's think time is longer than a
+put), untimed, so that a turn's hits do not depend on how fast the previous turn's
+background puts ran.
 
 ``write_model(folder, size)`` writes a random Llama checkpoint (``config.json`` and
 safetensors, the weights kvstore's own engine draws for the same seed, scaled by ``gain``
@@ -183,6 +186,7 @@ def run_chats(
                 }
             )
             histories[session] = prompt + tokens
+        _drain_saves()  # a user's think time: the turn's saves land before the next turn
         for command in (after_turn or {}).get(turn + 1, []):
             subprocess.run(command, shell=True, check=True)
     return results
@@ -234,15 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _worker_side() -> Any:
+    """The worker's connector side when vLLM runs in this process (else ``None``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    return getattr(get_kv_transfer_group(), "_worker", None)
+
+
+def _drain_saves(timeout: float = 30.0) -> None:
+    worker = _worker_side()
+    if worker is not None:
+        worker.wait_for_saves(timeout)
+
+
 def _connector_stats(llm: Any) -> dict[str, int]:
     """The worker connector's counters (in-process engine only), for the tests."""
     try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if not has_kv_transfer_group():
-            return {}
-        connector = get_kv_transfer_group()
-        worker = getattr(connector, "_worker", None)
+        worker = _worker_side()
         if worker is None:
             return {}
         worker.wait_for_saves(30.0)

@@ -38,10 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.client import Namespace
-from kvstore.inference_adapter.connector import namespace_for
 from kvstore.inference_adapter.vllm.layout import layer_kv, layout_of
 from kvstore.inference_adapter.vllm.link import Link
+from kvstore.inference_adapter.vllm.model import model_namespace
 from kvstore.inference_adapter.vllm.scheduler import SchedulerSide, StepPlan
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
 from kvstore.inference_adapter.vllm.worker import WorkerSide
@@ -52,7 +51,6 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorStats", "KVStoreMetadata", "mode
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -81,47 +79,6 @@ class KVStoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
-
-
-def model_namespace(vllm_config: Any, settings: ConnectorSettings) -> Namespace:
-    """The namespace of the model vLLM serves, after checking the connector can serve it.
-
-    Raises:
-        ValueError: The model, the KV dtype or the parallelism is one the connector cannot
-            store exactly (the message names it).
-    """
-    model_config = vllm_config.model_config
-    hf_config = model_config.hf_config
-    architectures = tuple(getattr(hf_config, "architectures", None) or ())
-    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-        raise ValueError(
-            f"KVStoreConnector serves {list(SUPPORTED_ARCHITECTURES)} models; this one is "
-            f"{list(architectures) or 'unnamed'}"
-        )
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
-        raise ValueError(f"KVStoreConnector needs kv_cache_dtype 'auto', got {cache_dtype!r}")
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError(
-            "KVStoreConnector runs with tensor_parallel_size 1 and pipeline_parallel_size 1, "
-            f"got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}"
-        )
-    config = LlamaConfig.from_dict(hf_config.to_dict())  # refuses unsupported RoPE scaling
-    block_size = vllm_config.cache_config.block_size
-    block_tokens = settings.block_tokens or block_size
-    if block_tokens % block_size:
-        raise ValueError(
-            f"kv_connector_extra_config block_tokens {block_tokens} must be a multiple of "
-            f"vLLM's block_size {block_size}"
-        )
-    return namespace_for(
-        config,
-        model_name=settings.model_name or str(model_config.model),
-        block_tokens=block_tokens,
-        dtype=model_config.dtype,
-        tenant=settings.tenant,
-    )
 
 
 class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]

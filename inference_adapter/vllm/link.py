@@ -5,13 +5,17 @@ whose calls have the deadline ``call_timeout``. A connection is opened with the 
 ``connect_timeout`` (a handshake and the shared-memory session take longer than a Lookup
 should). Where there is none:
 
-- ``wait_for_connect=False`` (the scheduler: admission must not wait): a background thread
-  opens one and the call fails at once with :class:`DaemonDown`; the caller answers "miss"
-  and vLLM recomputes;
-- ``wait_for_connect=True`` (the worker's load and save threads): the call connects first.
+- ``wait_for_connect=False`` (the scheduler: admission must not wait long): a background
+  thread opens one; the call waits for it at most ``call_timeout`` (the deadline it has
+  anyway), then fails with :class:`DaemonDown`; the caller answers "miss" and vLLM
+  recomputes;
+- ``wait_for_connect=True`` (the worker's load and save threads): the call connects first
+  (or waits for the connect in flight), whenever the last failure was.
 
-After a failure (at start or later) the link answers ``DaemonDown`` for ``retry_s`` before
-it tries again. A daemon going away is logged once, and so is its return.
+After a failure (at start or later) the link answers ``DaemonDown`` and tries again in the
+background every ``retry_s`` until the daemon answers, so it is connected again soon after
+the daemon is back, whether or not calls come meanwhile. A daemon going away is logged
+once, and so is its return.
 
 ``warm()`` connects in the caller's thread, for the start of the process.
 """
@@ -72,6 +76,8 @@ class Link:
         self._options = client_options
         self._client: KVStoreClient | None = None
         self._connecting: threading.Thread | None = None
+        self._retry: threading.Timer | None = None
+        self._connect_lock = threading.Lock()
         self._down_until = 0.0
         self._was_down = False
         self._closed = False
@@ -97,70 +103,76 @@ class Link:
     def warm(self) -> bool:
         """Connects in this thread (at start, off any request's path); ``False`` when the
         daemon is down, which is logged, and retried later like any failure."""
-        with self._lock:
-            if self._client is not None:
-                return True
-            if self._connecting is not None:
-                return False
         return self._connect() is not None
-
-    def wait_connected(self, timeout: float) -> bool:
-        """Waits for a background connect in flight (tests and shutdown paths)."""
-        thread = self._connecting
-        if thread is not None:
-            thread.join(timeout)
-        return self._client is not None
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
+            retry, self._retry = self._retry, None
+        if retry is not None:
+            retry.cancel()
         if client is not None:
             client.close()
 
     def _client_or_connect(self) -> KVStoreClient:
+        connecting: threading.Thread | None = None
         with self._lock:
             if self._client is not None:
                 return self._client
-            connecting = self._connecting
-            if connecting is None and not self._closed and time.monotonic() >= self._down_until:
-                connecting = self._connecting = threading.Thread(
-                    target=self._connect, name=f"kvstore-{self.role}-connect", daemon=True
-                )
-                connecting.start()
-        if self.wait_for_connect and connecting is not None:
-            connecting.join(self.connect_timeout * 3)
+            if self._closed:
+                raise DaemonDown(f"kvstore daemon at {self.address}: the link is closed")
+            if not self.wait_for_connect:
+                if self._connecting is None and time.monotonic() >= self._down_until:
+                    self._connecting = threading.Thread(
+                        target=self._connect, name=f"kvstore-{self.role}-connect", daemon=True
+                    )
+                    self._connecting.start()
+                connecting = self._connecting
+        if not self.wait_for_connect:
+            if connecting is not None:
+                connecting.join(self.call_timeout)
             with self._lock:
                 if self._client is not None:
                     return self._client
-        raise DaemonDown(f"kvstore daemon at {self.address}: not connected")
+            raise DaemonDown(f"kvstore daemon at {self.address}: not connected")
+        client = self._connect()  # this caller may wait: it connects (or waits for whoever is)
+        if client is None:
+            raise DaemonDown(f"kvstore daemon at {self.address}: not connected")
+        return client
 
     def _connect(self) -> KVStoreClient | None:
-        client = KVStoreClient(
-            self.address,
-            timeout=self.connect_timeout,
-            **self._options,  # type: ignore[arg-type]
-        )
-        try:
-            client.connect()
-            client.register(self.namespace)
-            client.timeout = self.call_timeout
-        except Exception as error:
-            client.close()
+        """Opens a connection unless one exists; one attempt at a time (callers wait)."""
+        with self._connect_lock:
+            with self._lock:
+                if self._client is not None or self._closed:
+                    self._connecting = None
+                    return self._client
+            client = KVStoreClient(
+                self.address,
+                timeout=self.connect_timeout,
+                **self._options,  # type: ignore[arg-type]
+            )
+            try:
+                client.connect()
+                client.register(self.namespace)
+                client.timeout = self.call_timeout
+            except Exception as error:
+                client.close()
+                with self._lock:
+                    self._connecting = None
+                    self._mark_down(error)
+                return None
             with self._lock:
                 self._connecting = None
-                self._mark_down(error)
-            return None
-        with self._lock:
-            self._connecting = None
-            if self._closed:
-                client.close()
-                return None
-            if self._was_down:
-                log.warning("kvstore %s: daemon at %s answers again", self.role, self.address)
-            self._was_down = False
-            self._client = client
-        return client
+                if self._closed:
+                    client.close()
+                    return None
+                if self._was_down:
+                    log.warning("kvstore %s: daemon at %s answers again", self.role, self.address)
+                self._was_down = False
+                self._client = client
+            return client
 
     def _failed(self, client: KVStoreClient, error: Exception) -> None:
         with self._lock:
@@ -170,10 +182,21 @@ class Link:
             self._mark_down(error)
         client.close()
 
+    def _retry_now(self) -> None:
+        """The background retry: connects unless something else did."""
+        with self._lock:
+            self._retry = None
+        self._connect()
+
     def _mark_down(self, error: Exception) -> None:
-        """Under the lock: no new connection for ``retry_s``; one log line per outage."""
+        """Under the lock: no new connection for ``retry_s``, then a background retry; one
+        log line per outage."""
         self.failures += 1
         self._down_until = time.monotonic() + self.retry_s
+        if not self._closed and self._retry is None:
+            self._retry = threading.Timer(self.retry_s, self._retry_now)
+            self._retry.daemon = True
+            self._retry.start()
         if not self._was_down:
             log.warning(
                 "kvstore %s: daemon at %s unreachable (%s); vLLM recomputes until it answers",

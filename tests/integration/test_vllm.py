@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -52,6 +53,14 @@ def connector_config(daemon: Daemon, **more: object) -> str:
 
 def chat(model: Path, connector: str | None, *hooks: str) -> dict[str, Any]:
     """One vLLM process playing :data:`SHAPE`; its JSON report."""
+    done = run_driver(model, connector, *hooks)
+    assert done.returncode == 0, done.stderr[-6000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report["log"] = done.stdout + done.stderr
+    return report
+
+
+def run_driver(model: Path, connector: str | None, *hooks: str) -> subprocess.CompletedProcess[str]:
     command = [str(VLLM_PYTHON), "-m", "kvstore.inference_adapter.bench.vllm_chat"]
     command += ["--model", str(model), "--block-size", str(BLOCK), "--kv-cache-mib", "256"]
     command += ["--turns", str(SHAPE.turns), "--first-tokens", str(SHAPE.first_tokens)]
@@ -62,11 +71,7 @@ def chat(model: Path, connector: str | None, *hooks: str) -> dict[str, Any]:
     for hook in hooks:
         command += ["--after-turn", hook]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=540, env=env)
-    assert done.returncode == 0, done.stderr[-6000:]
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    report["log"] = done.stdout + done.stderr
-    return report
+    return subprocess.run(command, capture_output=True, text=True, timeout=540, env=env)
 
 
 def turns(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -278,3 +283,53 @@ def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
         turn["cached_tokens"] == 0 for session in reports["without"]["sessions"] for turn in session
     )
     assert "prefill tokens saved:" in done.stdout
+
+
+def test_a_daemon_down_at_start_costs_hits_until_it_comes(
+    model: Path, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    """vLLM starts while nothing listens; the daemon comes after turn 1."""
+    daemon = Daemon(tmp_path / "late", host_capacity="128MiB", ssd_capacity=None)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    go = marks / "go"
+
+    def conduct() -> None:
+        wait_for(marks / "after1")
+        daemon.start()
+        go.touch()
+
+    conductor = threading.Thread(target=conduct, daemon=True)
+    conductor.start()
+    hook = f"1:touch {marks}/after1; while [ ! -f {go} ]; do sleep 0.05; done"
+    try:
+        report = chat(model, connector_config(daemon), hook)
+    finally:
+        conductor.join(5)
+        daemon.close()
+    assert tokens(report) == tokens(baseline)
+    loaded = loaded_blocks(report)
+    assert loaded[:2] == [0, 0]  # turn 1 saved nothing: the daemon was not there
+    for turn in (2, 3):  # reconnected: turn 2's saves went in
+        assert loaded[turn] >= 0.9 * reusable_blocks(report)[turn], loaded
+    down = [line for line in report["log"].splitlines() if "unreachable" in line]
+    assert 1 <= len(down) <= 2, down
+
+
+def test_a_model_the_connector_cannot_serve_exactly_stops_vllm_at_start(
+    model: Path, tmp_path: Path, daemon: Daemon
+) -> None:
+    yarn = tmp_path / "yarn-llama"
+    shutil.copytree(model, yarn)
+    config = json.loads((yarn / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 4096,
+    }
+    (yarn / "config.json").write_text(json.dumps(config))
+    done = run_driver(yarn, connector_config(daemon))
+    assert done.returncode != 0
+    assert "yarn" in done.stderr and "UnsupportedRopeScalingError" in done.stderr
+    typo = run_driver(model, connector_config(daemon, adress="x"))
+    assert typo.returncode != 0 and "unknown key(s) ['adress']" in typo.stderr
