@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvstore.inference_adapter.bench.vllm_chat import MODEL_SIZES
 from kvstore.inference_adapter.connector import namespace_for
 from kvstore.inference_adapter.vllm.model import model_namespace
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
@@ -19,13 +20,7 @@ from kvstore.inference_adapter.weights import LlamaConfig
 LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 1024,
+    **MODEL_SIZES["test"],
     "rope_theta": 10000.0,
     "torch_dtype": "float32",
 }
