@@ -349,11 +349,19 @@ async def test_many_tasks_racing_eviction_never_see_wrong_bytes(make_store) -> N
         assert sorted(ssd.keys()) == sorted(n.id for n in in_ssd)
         assert all(n.leases == 0 and n.busy == 0 for n in store.index.nodes())
         assert host.usage() <= host.capacity() and ssd.usage() <= ssd.capacity()
-        # Everything still indexed reads back bit-exact.
+        # Everything indexed reads back bit-exact. These gets promote into a 6-block host
+        # tier and so evict: a block may be dropped by an earlier get of this loop (then it
+        # is gone from the index too), never read back wrong or lost while still indexed.
         payloads = {key: payload for blocks in chains.values() for key, _, payload in blocks}
-        for node in store.index.nodes():
+        read = 0
+        for node in list(store.index.nodes()):
             block = await store.get(node.key, NAMESPACE)
-            assert block is not None and block.payload == payloads[node.key]
+            if block is None:
+                assert store.index.get(node.id) is None, f"{node.key.hex()} indexed, not read"
+                continue
+            assert block.payload == payloads[node.key]
+            read += 1
+        assert read > 0
 
 
 async def test_scheduler_aware_eviction_keeps_hinted_sessions(tmp_path: Path) -> None:
