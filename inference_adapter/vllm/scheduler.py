@@ -124,8 +124,6 @@ class SchedulerSide:
         self._matches: dict[str, _Match] = {}
         self._loads: list[LoadSpec] = []
         self.lookup_errors = 0
-        self.looked_up_blocks = 0
-        self.hit_blocks = 0
 
     def matched_tokens(self, request: TrackedRequest, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the daemon can provide (0 on any failure).
@@ -147,7 +145,6 @@ class SchedulerSide:
             self.lookup_errors += 1
             log.debug("lookup of request %s failed: %s", request.request_id, error)
             return 0
-        self.looked_up_blocks += len(keys)
         tracked.next_save = max(tracked.next_save, held)  # held blocks are never saved again
         if not self._load:
             return 0
@@ -174,7 +171,6 @@ class SchedulerSide:
                 skip_before=match.num_computed // self.vllm_block_size,
             )
         )
-        self.hit_blocks += held - first
 
     def scheduled(
         self,
