@@ -109,6 +109,16 @@ _DELEGATED = [
         "kvstore.inference_adapter.bench.vllm",
         "bench vllm: multi-turn chats through vLLM without and with the kvstore connector",
     ),
+    (
+        "dataset fetch",
+        "kvstore.inference_adapter.bench.sharegpt",
+        "dataset fetch: download ShareGPT V3 for `kvstore bench chat --dataset sharegpt`",
+    ),
+    (
+        "model",
+        "kvstore.inference_adapter.models",
+        "model fetch|path: download SmolLM2's GGUF file into the user cache, or print its path",
+    ),
 ]
 
 
