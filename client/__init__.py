@@ -25,7 +25,7 @@ from kvstore.client.errors import (
     UnknownLeaseError,
     UnknownNamespaceError,
 )
-from kvstore.client.keys import ROOT_KEY, ModelFingerprint, Namespace, block_keys
+from kvstore.client.keys import ROOT_KEY, KeySalt, ModelFingerprint, Namespace, block_keys
 from kvstore.client.sync import KVStoreClient
 from kvstore.client.wire import LookupResult, ServerInfo, Stats, TierStats, WriteStatus
 
@@ -38,6 +38,7 @@ __all__ = [
     "InvalidArgumentError",
     "KVStoreClient",
     "KVStoreError",
+    "KeySalt",
     "LookupResult",
     "ModelFingerprint",
     "Namespace",

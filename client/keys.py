@@ -9,12 +9,24 @@ with h_{-1} = ``ROOT_KEY``. Equal keys mean equal prefixes, so "how much of this
 cached" is "how many leading keys does the store hold". The hash is cryptographic on purpose
 (one tenant must not be able to forge or probe another's keys) and never Python's ``hash()``.
 
+Equal keys must also mean equal KV. KV that is not what a plain prefill of its tokens computes
+(a truncated chat's reused blocks, and everything computed on top of them) is keyed under a
+``KeySalt``: from block ``from_block`` on, the chain also hashes the salt's digest once, at that
+block,
+
+    h_j = SHA-256(h_{j-1} || namespace.digest() || SHA-256(salt) || tokens of block j)
+
+so every key from there on differs from the plain chain's, and only a lookup that names the
+same salt (the session that made the KV) finds it.
+
 Primitives:
 
 - ``ModelFingerprint(...)`` -> ``.digest()``: everything about a model that changes its KV
   (defined in :mod:`kvstore.namespace`, shared with the daemon).
 - ``Namespace(model, tenant)`` -> ``.digest()``: the fingerprint salted with a tenant.
-- ``block_keys(tokens, namespace)`` -> one 32-byte key per full block; the tail is not keyed.
+- ``KeySalt(salt, from_block)``: marks the approximate part of a chain.
+- ``block_keys(tokens, namespace, salt=None)`` -> one 32-byte key per full block; the tail is
+  not keyed.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from kvstore.blocks import ROOT_KEY
@@ -31,7 +44,15 @@ from kvstore.namespace import ModelFingerprint, Namespace
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ROOT_KEY", "ModelFingerprint", "Namespace", "TokenArray", "TokenIds", "block_keys"]
+__all__ = [
+    "ROOT_KEY",
+    "KeySalt",
+    "ModelFingerprint",
+    "Namespace",
+    "TokenArray",
+    "TokenIds",
+    "block_keys",
+]
 
 _U32_CODE = next(code for code in "IL" if array(code).itemsize == 4)
 _TOKEN_LIMIT = 1 << 32
@@ -45,14 +66,45 @@ class TokenArray(Protocol):
 
 TokenIds: TypeAlias = Sequence[int] | TokenArray
 
+_SALT_DOMAIN = b"kvstore/key-salt/v1\0"
 
-def block_keys(tokens: TokenIds, namespace: Namespace) -> list[bytes]:
+
+@dataclass(frozen=True, slots=True)
+class KeySalt:
+    """Keys the blocks of a chain from ``from_block`` on apart from the plain chain's.
+
+    Args:
+        salt: Names where the KV came from (e.g. a session and the truncation that made it
+            approximate); any non-empty bytes.
+        from_block: The first block whose KV is not a plain prefill's; the blocks before it
+            keep their plain keys (and stay shared).
+    """
+
+    salt: bytes
+    from_block: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.salt, bytes) or not self.salt:
+            raise ValueError(f"salt must be non-empty bytes, got {self.salt!r}")
+        if isinstance(self.from_block, bool) or not isinstance(self.from_block, int):
+            raise ValueError(f"from_block must be an int, got {self.from_block!r}")
+        if self.from_block < 0:
+            raise ValueError(f"from_block must be >= 0, got {self.from_block}")
+
+    def digest(self) -> bytes:
+        """SHA-256 of the salt (32 bytes), the value the chain hashes."""
+        return hashlib.sha256(_SALT_DOMAIN + self.salt).digest()
+
+
+def block_keys(tokens: TokenIds, namespace: Namespace, salt: KeySalt | None = None) -> list[bytes]:
     """Keys of the full blocks of a token sequence.
 
     Args:
         tokens: Token ids, each in [0, 2**32): a list, tuple, ``array.array``, or a 1-D
             integer CPU torch tensor or numpy array.
         namespace: The model and tenant the KV belongs to.
+        salt: Keys blocks ``salt.from_block`` on as approximate KV of that origin; None:
+            the plain chain.
 
     Returns:
         ``len(tokens) // block_tokens`` keys of 32 bytes; key i covers tokens
@@ -68,11 +120,14 @@ def block_keys(tokens: TokenIds, namespace: Namespace) -> list[bytes]:
     data = memoryview(words).cast("B")
     ns_digest = namespace.digest()
     step = 4 * namespace.model.block_tokens
+    salted_at = -1 if salt is None else salt.from_block * step
     keys: list[bytes] = []
     key = ROOT_KEY
     for start in range(0, len(data) - step + 1, step):
         hasher = hashlib.sha256(key)
         hasher.update(ns_digest)
+        if start == salted_at and salt is not None:
+            hasher.update(salt.digest())
         hasher.update(data[start : start + step])
         key = hasher.digest()
         keys.append(key)

@@ -8,14 +8,17 @@ Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfac
    instead: KV computed at other positions, placed at the plan's. A daemon that cannot be
    reached answers 0 (counted in ``lookup_errors``), never an exception.
 2. ``start_load``: a :class:`~kvstore.inference_adapter.loader.LayerLoad` on a worker thread
-   fetches those blocks and writes them into the request's first pages layer by layer,
-   rotating K to the positions the tokens occupy now; ``request.loaded_from`` counts the
-   blocks by the tier they were found in.
+   fetches those blocks and writes them into the request's first pages layer by layer:
+   a plain copy for a prefix hit (stored K is after RoPE, at the positions it was computed
+   at, so the pool gets back the engine's own bits in every dtype), K re-rotated by the
+   shift for blocks a reuse plan moves; ``request.loaded_from`` counts the blocks by the
+   tier they were found in.
 3. ``wait_for_layer_load``: layer ``i`` is in the pool (``True``), or the load failed or
    timed out (``False``, and the loader no longer touches the pool: the engine recomputes).
 4. ``save``: the full blocks of ``tokens[:num_tokens]`` the store does not hold yet (neither
-   found at lookup nor saved earlier by this request) are gathered from the pool with K
-   un-rotated and offered to the bounded :class:`~kvstore.inference_adapter.saver.SaveQueue`;
+   found at lookup nor saved earlier by this request) are copied out of the pool, keyed
+   under the request's ``salt`` from its first approximate block on, and offered to the
+   bounded :class:`~kvstore.inference_adapter.saver.SaveQueue`;
    when it is full the blocks are dropped and counted in ``dropped_saves``.
 5. ``request_finished``: cancels a load still running and forgets the request.
 
@@ -118,6 +121,8 @@ class _Plan:
     """A request's admission decision and what it has told the store since."""
 
     load_keys: list[bytes] = field(default_factory=list)  # blocks to load, in position order
+    stored_at: list[int] = field(default_factory=list)  # per load key, its first token's
+    # position where it was computed (a prefix hit: the position it loads at)
     tiers: tuple[str, ...] = ()  # per load key, the tier it was found in
     known: set[bytes] = field(default_factory=set)  # keys the store holds or was handed
     load: LayerLoad | None = None
@@ -181,7 +186,7 @@ class StoreConnector:
         """Leading prompt tokens the store can provide (whole blocks, < ``len(prompt)``)."""
         self._count("lookups")
         request.loaded_from = {}
-        candidates = self._candidates(request)
+        candidates, stored_at = self._candidates(request)
         try:
             found = self.client.lookup_tiers(self.namespace, candidates)
         except Exception:
@@ -194,7 +199,10 @@ class StoreConnector:
         held = candidates[: found.num_blocks]
         usable = min(len(held), (len(request.prompt) - 1) // self.block_tokens)
         self._plans[request.request_id] = _Plan(
-            load_keys=held[:usable], tiers=found.tiers[:usable], known=set(held)
+            load_keys=held[:usable],
+            stored_at=stored_at[:usable],
+            tiers=found.tiers[:usable],
+            known=set(held),
         )
         if not usable:
             self._hints_in_background()  # nothing of this request's to protect
@@ -207,14 +215,13 @@ class StoreConnector:
         if num_blocks == 0:
             return
         blocks = range(num_blocks)
-        device = self._pool.kv_pool.device
         plan.load = LayerLoad(
             self.client,
             self.namespace,
             self._pool,
             plan.load_keys[:num_blocks],
             block_slots(pages, blocks, self._pool),
-            block_positions([b * self.block_tokens for b in blocks], self.block_tokens, device),
+            self._moves(plan.stored_at[:num_blocks]),
             deadline=time.monotonic() + self.load_timeout_s,
             on_fetched=self._hints_in_background,
         )
@@ -239,7 +246,7 @@ class StoreConnector:
         """Queues the new full blocks of ``(prompt + output)[:num_tokens]``; never waits."""
         plan = self._plans.setdefault(request.request_id, _Plan())
         tokens = (request.prompt + request.output)[:num_tokens]
-        keys = block_keys(tokens, self.namespace)
+        keys = block_keys(tokens, self.namespace, request.salt)
         new = [b for b, key in enumerate(keys) if key not in plan.known]
         for run in _runs(new):
             if not self._saves.has_room(len(run)):
@@ -332,29 +339,34 @@ class StoreConnector:
 
     # Helpers -----------------------------------------------------------------------------
 
-    def _candidates(self, request: Request) -> list[bytes]:
-        """Keys whose leading held run may be loaded at positions 0, block, 2 * block, ..."""
+    def _candidates(self, request: Request) -> tuple[list[bytes], list[int]]:
+        """Keys whose leading held run may be loaded at positions 0, block, 2 * block, ...,
+        and the position each block's first token was computed at."""
+        bt = self.block_tokens
         if not request.reuse:
-            return block_keys(request.prompt, self.namespace)
-        keys: list[bytes] = []
+            keys = block_keys(request.prompt, self.namespace, request.salt)
+            return keys, [b * bt for b in range(len(keys))]
+        keys, stored_at = [], []
         for index, block in enumerate(request.reuse):
-            if block.position != index * self.block_tokens:
+            if block.position != index * bt:
                 break  # loads fill a prefix of the pages; a gap ends the usable plan
             keys.append(block.key)
-        return keys
+            stored_at.append(block.stored_at)
+        return keys, stored_at
+
+    def _moves(self, stored_at: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``LayerLoad``'s ``moves`` for blocks loaded at positions 0, block, ... that were
+        computed at ``stored_at``; None when none moves."""
+        bt, device = self.block_tokens, self._pool.kv_pool.device
+        starts = [b * bt for b in range(len(stored_at))]
+        if list(stored_at) == starts:
+            return None
+        return block_positions(stored_at, bt, device), block_positions(starts, bt, device)
 
     def _gather(self, pages: Sequence[int], blocks: Sequence[int]) -> torch.Tensor:
-        """Blocks of the pool as the store lays them out, K un-rotated (pre-RoPE)."""
-        device = self._pool.kv_pool.device
-        staging = staging_for(self.namespace, len(blocks), device)
-        starts = [b * self.block_tokens for b in blocks]
-        save_blocks(
-            self._pool.kv_pool,
-            staging,
-            block_slots(pages, blocks, self._pool),
-            block_positions(starts, self.block_tokens, device),
-            self._pool.rope,
-        )
+        """Blocks of the pool as the store lays them out (K after RoPE, as the pool holds it)."""
+        staging = staging_for(self.namespace, len(blocks), self._pool.kv_pool.device)
+        save_blocks(self._pool.kv_pool, staging, block_slots(pages, blocks, self._pool))
         return staging
 
     def _count(self, name: str, amount: int = 1) -> None:

@@ -1,16 +1,17 @@
 """A Hugging Face transformers bridge: a ``DynamicCache`` that restores from and saves to kvstore.
 
-A stock ``LlamaForCausalLM`` keeps K *after* RoPE in its cache, ``[batch, kv_heads, seq,
-head_dim]`` per layer; the store keeps it before RoPE, block by block. :class:`KVStoreCache`
-converts both ways:
+A stock ``LlamaForCausalLM`` keeps K after RoPE in its cache, ``[batch, kv_heads, seq,
+head_dim]`` per layer; the store keeps the same values block by block (block ``b`` of a
+chain holds positions ``b * block_tokens ..``, where a prefix hit puts it back, so a
+restored cache holds the bits transformers computed). :class:`KVStoreCache` moves them:
 
 1. ``restore(input_ids)``: looks the prompt's block keys up, fetches the held leading blocks
-   (at most ``len(prompt) - 1`` tokens, so the model computes at least one), rotates K to
-   positions ``0..n-1`` and fills the cache with them;
+   (at most ``len(prompt) - 1`` tokens, so the model computes at least one) and fills the
+   cache with them;
 2. ``model.generate(input_ids, past_key_values=cache)``: transformers skips the cached
    prefix and prefills only the rest;
-3. ``save(sequences)``: after generation, the full blocks the store lacks are un-rotated
-   and ``put`` (parent = the previous block's key).
+3. ``save(sequences)``: after generation, the full blocks the store lacks are ``put``
+   (parent = the previous block's key).
 
 ``generate_with_store(model, input_ids, client, namespace)`` does the three steps. Batch size
 1 only. A daemon that cannot be reached means nothing restored and nothing saved, never an
@@ -29,7 +30,6 @@ from transformers.generation import utils as generation_utils
 from kvstore.client import ROOT_KEY, KVStoreClient, Namespace, block_keys
 from kvstore.inference_adapter.connector import namespace_for
 from kvstore.inference_adapter.weights import LlamaConfig
-from kvstore.kernels import RopeTables, apply_rope, rope_tables
 
 __all__ = ["KVStoreCache", "generate_with_store", "hf_namespace"]
 
@@ -53,17 +53,13 @@ class KVStoreCache(DynamicCache):
     Args:
         client: A connected blocking client.
         namespace: The model and tenant (``hf_namespace``).
-        model: The transformers model the cache serves (its config gives the RoPE tables).
+        model: The transformers model the cache serves.
     """
 
     def __init__(self, client: KVStoreClient, namespace: Namespace, model: PreTrainedModel) -> None:
         super().__init__()
         self.client = client
         self.namespace = namespace
-        config = LlamaConfig.from_dict(model.config.to_dict())
-        self._rope: RopeTables = rope_tables(
-            config.rope, config.max_position_embeddings, model.device
-        )
         self._device = model.device
         self._held: set[bytes] = set()
         self.restored_tokens = 0
@@ -97,16 +93,15 @@ class KVStoreCache(DynamicCache):
         if not payloads:
             return 0
         staging = self._as_blocks(payloads)  # [n, num_layers, 2, kv_heads, bt, head_dim]
-        positions = torch.arange(len(payloads) * bt, device=self._device)[:, None]
         for layer in range(staging.size(1)):
             k, v = (_as_sequence(staging[:, layer, i]) for i in (0, 1))  # [kv_heads, seq, head_dim]
-            k = apply_rope(k.transpose(0, 1), positions, self._rope).transpose(0, 1)
             self.update(k[None].contiguous(), v[None].contiguous(), layer)
         self.restored_tokens = len(payloads) * bt
         return self.restored_tokens
 
     def save(self, sequence: torch.Tensor) -> int:
-        """Puts the full blocks of ``sequence`` whose KV the cache holds and the store lacks.
+        """Puts the full blocks of ``sequence`` whose KV the cache holds and the store lacks
+        (one lookup finds which, unless every block was found at restore).
 
         Args:
             sequence: ``[1, seq]`` or ``[seq]``: prompt + generated tokens.
@@ -116,33 +111,36 @@ class KVStoreCache(DynamicCache):
         """
         tokens = _single_row(sequence)[: self.get_seq_length()]
         keys = block_keys(tokens, self.namespace)
-        first = next((b for b, key in enumerate(keys) if key not in self._held), len(keys))
-        if first == len(keys):
+        if all(key in self._held for key in keys):
             return 0
-        new = keys[first:]  # the held blocks are a prefix: the rest is one run of the chain
-        blocks = self._gather(first, len(keys))
         try:
+            # Blocks past the prompt may be held too: an earlier call that generated the same
+            # tokens saved them (only the prompt's keys were looked up at restore).
+            first = self.client.lookup(self.namespace, keys)
+            if first == len(keys):
+                self._held.update(keys)
+                return 0
+            new = keys[first:]  # held blocks are a prefix: the rest is one run of the chain
+            blocks = self._gather(first, len(keys))
             parent = keys[first - 1] if first else ROOT_KEY
             self.client.put(self.namespace, new, list(blocks), parent=parent)
         except Exception:
-            log.warning("saving %d blocks to the store failed", len(new), exc_info=True)
+            log.warning("saving up to %d blocks to the store failed", len(keys), exc_info=True)
             return 0
         self._held.update(new)
         self.saved_blocks += len(new)
         return len(new)
 
     def _gather(self, first: int, end_block: int) -> torch.Tensor:
-        """Blocks ``first .. end_block - 1`` of the cache in the store's layout, K un-rotated."""
+        """Blocks ``first .. end_block - 1`` of the cache in the store's layout."""
         bt = self.namespace.model.block_tokens
         start, end = first * bt, end_block * bt
-        positions = torch.arange(start, end, device=self._device)[:, None]
         layers = []
         for layer in self.layers:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)):
                 raise ValueError(f"cache layer {type(layer).__name__} holds no K/V tensors")
-            k = keys[0, :, start:end]  # [kv_heads, seq, head_dim], post-RoPE
-            k = apply_rope(k.transpose(0, 1), positions, self._rope, inverse=True).transpose(0, 1)
+            k = keys[0, :, start:end]  # [kv_heads, seq, head_dim], after RoPE
             v = values[0, :, start:end]
             layers.append(torch.stack((_as_blocks_of(k, bt), _as_blocks_of(v, bt)), dim=1))
         # [n, num_layers, 2, kv_heads, bt, head_dim]

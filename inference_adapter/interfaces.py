@@ -29,6 +29,10 @@ A connector needs the engine's pool, so it is bound after construction:
 
 A request may carry a ``reuse`` plan (chat truncation): block keys of KV computed at other
 positions, to be loaded at the positions the plan gives, instead of the plain prefix match.
+Such KV is approximate (it still reflects the tokens that were cut), and so is every token
+computed on top of it: the request then carries a ``salt`` (:class:`~kvstore.client.KeySalt`)
+under which the connector keys its blocks from the first approximate one on, so an exact
+lookup of the same tokens never finds them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from kvstore.client import KeySalt
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,7 @@ class ReusedBlock:
 
     key: bytes  # the block's key in the store (from the chain it was saved under)
     position: int  # position of its first token in the new sequence
+    stored_at: int  # position of its first token where it was computed (K is rotated there)
 
 
 @dataclass(slots=True)
@@ -71,6 +78,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None
     reuse: Sequence[ReusedBlock] = ()  # truncated chats: blocks to place at new positions
+    salt: KeySalt | None = None  # keys the approximate part of prompt + output apart
     # Results, filled by the engine:
     output: list[int] = field(default_factory=list)
     num_loaded_tokens: int = 0  # prompt tokens whose KV came from the store

@@ -7,8 +7,10 @@ pages the engine reserved, one layer at a time, on a worker thread, while the en
    (``view_tensors``: no copy yet); on the stream plane, download them into ``staging``;
 2. per layer ``i``: copy layer ``i`` of every block into ``staging[:, i]`` (the arena ->
    device transfer of the real thing), then ``load_blocks(staging[:, i:i+1], ...)`` scatters
-   it into the pool, rotating K to the positions the tokens occupy now, and sets
-   ``ready[i]``. The engine computes layer ``i - 1`` meanwhile;
+   it into the pool and sets ``ready[i]``. The engine computes layer ``i - 1`` meanwhile.
+   Stored K is after RoPE, at the positions it was computed at: a prefix hit is a plain
+   copy, bit for bit what the engine computed. Blocks placed elsewhere (a truncated chat)
+   have K re-rotated by the shift first (:func:`move_k`);
 3. ``wait(i)`` returns once layer ``i`` is in the pool; ``False`` when the load failed or its
    deadline passed. Then :meth:`LayerLoad.cancel` has already run: nothing touches the pool
    any more (a layer copy holds ``_pool_lock``; cancelling takes it), so the engine may
@@ -33,9 +35,16 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import KVStoreClient, Namespace
-from kvstore.kernels import RopeTables, load_blocks
+from kvstore.kernels import RopeTables, apply_rope, load_blocks
 
-__all__ = ["LayerLoad", "PoolHandles", "block_positions", "block_slots", "staging_for"]
+__all__ = [
+    "LayerLoad",
+    "PoolHandles",
+    "block_positions",
+    "block_slots",
+    "move_k",
+    "staging_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,25 @@ def block_positions(starts: Sequence[int], block_tokens: int, device: torch.devi
     return first[:, None] + torch.arange(block_tokens, dtype=torch.int64, device=device)[None, :]
 
 
+def move_k(
+    k: torch.Tensor, stored_at: torch.Tensor, positions: torch.Tensor, rope: RopeTables
+) -> torch.Tensor:
+    """K rotated to ``stored_at``, re-rotated to ``positions`` (one rounding: float32 between).
+
+    Args:
+        k: ``[..., block_tokens, head_dim]``, K after RoPE.
+        stored_at: Positions K is rotated to, broadcastable to ``k.shape[:-1]``.
+        positions: Where the tokens sit now, the same shape.
+        rope: The tables K was rotated with.
+
+    Returns:
+        A new tensor like ``k``; tokens whose position is unchanged keep their bits.
+    """
+    back = apply_rope(k.float(), stored_at, rope, inverse=True)
+    moved = apply_rope(back, positions, rope).to(k.dtype)
+    return torch.where((stored_at == positions)[..., None], k, moved)
+
+
 def staging_for(namespace: Namespace, num_blocks: int, device: torch.device) -> torch.Tensor:
     """An empty staging buffer ``[num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]``."""
     model = namespace.model
@@ -79,7 +107,7 @@ def staging_for(namespace: Namespace, num_blocks: int, device: torch.device) -> 
 
 
 class LayerLoad:
-    """Loads ``keys`` into pool ``slots`` at ``positions``, layer by layer; see the module doc.
+    """Loads ``keys`` into pool ``slots``, layer by layer; see the module docstring.
 
     Args:
         client: The daemon's client.
@@ -87,7 +115,9 @@ class LayerLoad:
         pool: The engine's pool and RoPE tables.
         keys: The blocks to load, in order.
         slots: ``[len(keys), block_tokens]`` int64, where each token goes in the pool.
-        positions: ``[len(keys), block_tokens]`` int64, the position each token has now.
+        moves: ``(stored_at, positions)``, each ``[len(keys), block_tokens]`` int64: the
+            positions each token's K was stored at and the one it has now; None when every
+            block goes back where it was computed (a prefix hit: a plain copy).
         deadline: ``time.monotonic()`` after which waiting gives up.
         on_fetched: Called once on the worker thread when the blocks are leased (or
             downloaded), before the first layer is copied; also when the fetch fails.
@@ -100,7 +130,7 @@ class LayerLoad:
         pool: PoolHandles,
         keys: Sequence[bytes],
         slots: torch.Tensor,
-        positions: torch.Tensor,
+        moves: tuple[torch.Tensor, torch.Tensor] | None,
         deadline: float,
         on_fetched: Callable[[], None] | None = None,
     ) -> None:
@@ -110,7 +140,7 @@ class LayerLoad:
         self._pool = pool
         self._keys = list(keys)
         self._slots = slots
-        self._positions = positions
+        self._moves = moves
         self.deadline = deadline
         self.ready = [threading.Event() for _ in range(pool.num_layers)]
         self.failed = False
@@ -207,13 +237,11 @@ class LayerLoad:
         return True
 
     def _load(self, staging: torch.Tensor, layer: int) -> None:
-        load_blocks(
-            staging[:, layer : layer + 1],
-            self._pool.kv_pool[layer : layer + 1],
-            self._slots,
-            self._positions,
-            self._pool.rope,
-        )
+        blocks = staging[:, layer : layer + 1]  # [n, 1, 2, kv_heads, block_tokens, head_dim]
+        if self._moves is not None:
+            stored_at, positions = (p[:, None, :] for p in self._moves)  # over heads
+            blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
+        load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], self._slots)
 
     def _fetched(self) -> None:
         callback, self._on_fetched = self._on_fetched, None

@@ -10,9 +10,12 @@ message; the connector turns the stored part of that prefill into a load. Primit
   drops the oldest whole blocks after them (at least what is needed, and at least
   ``truncate_fraction`` of the droppable history, so truncation is rare) and keeps the rest.
   The kept blocks' stored KV is reused at their *new* positions through ``Request.reuse``
-  (the store holds K before RoPE; the connector rotates it to where it sits now) instead of
-  being recomputed. The KV of kept tokens still reflects the dropped ones they once attended
-  to: the CachedAttention approximation, not an exact recompute of the shorter text.
+  (the connector re-rotates K by the shift) instead of being recomputed. The KV of kept
+  tokens still reflects the dropped ones they once attended to: the CachedAttention
+  approximation, not an exact recompute of the shorter text. So from the first kept block
+  on, the turn's KV is keyed under a :class:`~kvstore.client.KeySalt` that names the session
+  and the context it was cut from (``TurnPlan.salt``, carried by the session into its later
+  turns): only this session finds it, and an exact prefill of the same tokens never loads it.
 - :class:`ChatServer`: sessions and a FIFO of queued turns. As each turn starts it sends
   the daemon a prefetch hint for the next ``lookahead`` queued sessions (once the turn's own
   blocks are leased), so their blocks move from SSD to the host tier while this turn
@@ -21,13 +24,14 @@ message; the connector turns the stored part of that prefill into a load. Primit
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.client import Namespace, block_keys
+from kvstore.client import KeySalt, Namespace, block_keys
 from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, ReusedBlock, SamplingParams
@@ -57,6 +61,7 @@ class TurnPlan:
     prompt: list[int]
     reuse: tuple[ReusedBlock, ...] = ()  # stored blocks placed at new positions
     dropped_tokens: int = 0  # history tokens cut from the context for this turn
+    salt: KeySalt | None = None  # keys the prompt's approximate blocks (None: all exact)
 
 
 def plan_turn(
@@ -69,6 +74,8 @@ def plan_turn(
     block_tokens: int,
     namespace: Namespace | None = None,
     truncate_fraction: float = 0.5,
+    salt: KeySalt | None = None,
+    origin: bytes = b"",
 ) -> TurnPlan:
     """The next prompt of a session whose model has ``window`` positions.
 
@@ -82,10 +89,13 @@ def plan_turn(
             in whole blocks.
         namespace: The keys the context's blocks were stored under; None: no reuse plan.
         truncate_fraction: Drop at least this share of the droppable history at once.
+        salt: The salt the context's KV is keyed under (``TurnPlan.salt`` of the turn that
+            made it); None when it is all exact.
+        origin: Names the session in the salt of a truncated turn.
 
     Returns:
         The prompt, and on truncation the reuse plan (sinks at their old positions, kept
-        blocks shifted down).
+        blocks shifted down) and the new salt; without truncation ``salt`` is kept.
 
     Raises:
         ValueError: The message does not fit even after dropping all droppable history.
@@ -94,7 +104,7 @@ def plan_turn(
     limit = window - max_tokens + 1  # the longest prompt that fits
     full = [*context, *message]
     if len(full) <= limit:
-        return TurnPlan(full)
+        return TurnPlan(full, salt=salt)
     sink = min(sink_tokens, len(context) // bt * bt)
     droppable = (len(context) - sink) // bt * bt
     needed = math.ceil((len(full) - limit) / bt) * bt
@@ -108,11 +118,23 @@ def plan_turn(
     prompt = [*context[:sink], *context[sink + drop :], *message]
     if namespace is None:
         return TurnPlan(prompt, (), drop)
-    keys = block_keys(context, namespace)  # the chain the context's KV was saved under
+    keys = block_keys(context, namespace, salt)  # the chain the context's KV was saved under
     first_kept = (sink + drop) // bt
-    reuse = [ReusedBlock(keys[b], b * bt) for b in range(sink // bt)]
-    reuse += [ReusedBlock(keys[b], (b - drop // bt) * bt) for b in range(first_kept, len(keys))]
-    return TurnPlan(prompt, tuple(reuse), drop)
+    reuse = [ReusedBlock(keys[b], b * bt, b * bt) for b in range(sink // bt)]
+    reuse += [
+        ReusedBlock(keys[b], (b - drop // bt) * bt, b * bt) for b in range(first_kept, len(keys))
+    ]
+    return TurnPlan(prompt, tuple(reuse), drop, _salt_after_cut(salt, origin, keys, sink // bt))
+
+
+def _salt_after_cut(
+    salt: KeySalt | None, origin: bytes, keys: Sequence[bytes], first_moved: int
+) -> KeySalt:
+    """The salt of a prompt cut from a context keyed ``keys``: it names the session and that
+    context, and covers every block from the first one whose KV is not exact."""
+    from_block = first_moved if salt is None else min(salt.from_block, first_moved)
+    context = keys[-1] if keys else b""
+    return KeySalt(hashlib.sha256(b"%s\0%s" % (origin, context)).digest(), from_block)
 
 
 @dataclass(slots=True)
@@ -135,6 +157,7 @@ class ChatSession:
     session_id: str
     context: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
+    salt: KeySalt | None = None  # the context's KV is keyed under it (after a truncation)
 
 
 class ChatServer:
@@ -214,9 +237,11 @@ class ChatServer:
             self.sampling,
             session_id=session.session_id,
             reuse=plan.reuse,
+            salt=plan.salt,
         )
         self.engine.generate([request])
         session.context = [*plan.prompt, *request.output]
+        session.salt = plan.salt
         turn = Turn(message, request, plan.dropped_tokens)
         session.turns.append(turn)
         return turn
@@ -239,6 +264,8 @@ class ChatServer:
             block_tokens=self.engine.page_tokens,
             namespace=self.connector.namespace if self.connector is not None else None,
             truncate_fraction=self.truncate_fraction,
+            salt=session.salt,
+            origin=session.session_id.encode(),
         )
 
     def _hint_queued(self) -> None:
@@ -249,7 +276,7 @@ class ChatServer:
         for session, message in itertools.islice(self._queue, self.lookahead):
             plan = self.plan(session, message)
             keys = [block.key for block in plan.reuse] or block_keys(
-                plan.prompt, self.connector.namespace
+                plan.prompt, self.connector.namespace, plan.salt
             )
             if keys:
                 self.connector.prefetch_after_next_load(session.session_id, [keys])

@@ -22,7 +22,9 @@ from kvstore.blocks import DTYPE_BYTES, BlockLayout
 
 __all__ = ["ModelFingerprint", "Namespace", "RopeScaling"]
 
-_FINGERPRINT_DOMAIN = b"kvstore/model-fingerprint/v1\0"
+# v2: stored K is after RoPE, at the positions its chain gives (v1 held it before RoPE), so
+# blocks written under v1 are never read as v2.
+_FINGERPRINT_DOMAIN = b"kvstore/model-fingerprint/v2\0"
 _NAMESPACE_DOMAIN = b"kvstore/namespace/v1\0"
 
 RopeScaling: TypeAlias = tuple[tuple[str, str | float], ...]

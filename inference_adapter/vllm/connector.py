@@ -11,8 +11,9 @@ Selected with::
 vLLM builds one instance per role. The scheduler's (:mod:`.scheduler`) looks the prompt's
 block keys up when a request is admitted and plans each step's loads and saves; the plan
 reaches the worker's (:mod:`.worker`) as the step's connector metadata. Blocks are stored in
-kvstore's own form (layer-major, K before RoPE) under the namespace kvstore's engine derives
-from the same config (``namespace_for``), so either can read what the other saved.
+kvstore's own form (layer-major, K after RoPE as vLLM holds it) under the namespace kvstore's
+engine derives from the same config (``namespace_for``), so either can read what the other
+saved.
 
 At start the connector refuses, with a ``ValueError`` naming what it found, what it cannot
 serve exactly: a non-Llama architecture, RoPE scaling the kernels do not compute, a KV cache
@@ -44,8 +45,6 @@ from kvstore.inference_adapter.vllm.model import model_namespace
 from kvstore.inference_adapter.vllm.scheduler import SchedulerSide, StepPlan
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
 from kvstore.inference_adapter.vllm.worker import WorkerSide
-from kvstore.inference_adapter.weights import LlamaConfig
-from kvstore.kernels import rope_tables
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorStats", "KVStoreMetadata", "model_namespace"]
 
@@ -91,10 +90,8 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         _log_like_vllm()
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
-        self.llama = LlamaConfig.from_dict(vllm_config.model_config.hf_config.to_dict())
         self.namespace = model_namespace(vllm_config, self.settings)
         self.block_size = vllm_config.cache_config.block_size
-        self.max_positions = vllm_config.model_config.max_model_len
         self.dtype = vllm_config.model_config.dtype
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -220,7 +217,6 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             link,
             self.namespace,
             layers,
-            rope_tables(self.llama.rope, self.max_positions, device),
             save_queue_blocks=self.settings.save_queue_blocks,
             load_timeout_s=self.settings.load_timeout_s,
         )

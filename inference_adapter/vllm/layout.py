@@ -17,10 +17,11 @@ the layout), picked by :func:`layout_of` from the device and the shape:
   tokens outside heads in memory (NHD) or heads outside tokens (HND, strides permuted).
 
 The store keeps a block ``[num_layers, 2, kv_heads, block_tokens, head_dim]`` (kvstore's own
-engine writes the same form) with K before RoPE. A stored block spans ``block_tokens //
-block_size`` consecutive vLLM blocks. :func:`gather` reads blocks of one layer into that form
-(un-rotating K from the positions its tokens hold), :func:`scatter` writes them back
-(rotating K to those positions); both are plain torch on the tensors' device.
+engine writes the same form) with K after RoPE, as vLLM holds it: block ``b`` of a chain at
+positions ``b * block_tokens ..``, the only positions a prefix hit loads it at, so a load
+gives vLLM back its own bits. A stored block spans ``block_tokens // block_size``
+consecutive vLLM blocks. :func:`gather` reads blocks of one layer into that form,
+:func:`scatter` writes them back; both are plain torch on the tensors' device.
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.kernels import RopeTables, apply_rope
-
-__all__ = ["LAYOUTS", "LayerKV", "gather", "layer_kv", "layout_of", "scatter", "token_positions"]
+__all__ = ["LAYOUTS", "LayerKV", "gather", "layer_kv", "layout_of", "scatter"]
 
 LAYOUTS = ("cpu", "packed", "split")
 
@@ -89,33 +88,17 @@ def layer_kv(kv: torch.Tensor, layout: str, *, num_kv_heads: int, head_dim: int)
     )
 
 
-def token_positions(first_blocks: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    """Positions of every token of stored blocks ``first_blocks`` (block indices in the
-    sequence): ``[n, 1, block_tokens]`` int64, broadcastable over heads."""
-    rows = torch.arange(block_tokens, dtype=torch.int64, device=first_blocks.device)
-    return (first_blocks[:, None] * block_tokens + rows[None, :])[:, None, :]
-
-
-def gather(
-    layer: LayerKV,
-    block_ids: torch.Tensor,
-    positions: torch.Tensor,
-    rope: RopeTables | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(layer: LayerKV, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored blocks of one layer read out of vLLM's blocks.
 
     Args:
         layer: The layer's views.
         block_ids: ``[n, per_block]`` int64, the vLLM blocks making each stored block.
-        positions: ``[n, 1, block_tokens]`` from :func:`token_positions`.
-        rope: Un-rotate K with these tables; ``None`` keeps K as vLLM holds it.
 
     Returns:
         K and V ``[n, kv_heads, block_tokens, head_dim]``, new tensors.
     """
     k, v = (_join(part[block_ids]) for part in (layer.k, layer.v))
-    if rope is not None:
-        k = apply_rope(k, positions, rope, inverse=True)
     return k, v
 
 
@@ -124,8 +107,6 @@ def scatter(
     k: torch.Tensor,
     v: torch.Tensor,
     block_ids: torch.Tensor,
-    positions: torch.Tensor,
-    rope: RopeTables | None,
     write: torch.Tensor | None = None,
 ) -> None:
     """Writes stored blocks of one layer into vLLM's blocks.
@@ -134,13 +115,9 @@ def scatter(
         layer: The layer's views.
         k, v: ``[n, kv_heads, block_tokens, head_dim]`` as :func:`gather` returns them.
         block_ids: ``[n, per_block]`` int64, where each part of each stored block goes.
-        positions: ``[n, 1, block_tokens]``, the positions K is rotated to.
-        rope: Rotate K with these tables; ``None`` writes it as it is.
         write: ``[n, per_block]`` bool, the parts to write (vLLM computed the others
             itself); all when ``None``.
     """
-    if rope is not None:
-        k = apply_rope(k, positions, rope)
     per_block = block_ids.size(1)
     targets = block_ids.reshape(-1) if write is None else block_ids[write]
     for source, part in ((k, layer.k), (v, layer.v)):

@@ -5,8 +5,9 @@ Per step, in vLLM's order:
 1. ``start(plan)`` (vLLM's ``start_load_kv``, before the forward pass when the step loads,
    after it otherwise): when the plan has loads, one thread leases the step's blocks from the
    daemon (``view_tensors``: the arena itself on the shm plane, a download otherwise) and
-   then writes layer after layer into vLLM's blocks, rotating K to the positions its tokens
-   hold, setting ``ready[i]`` after layer ``i``. vLLM computes layer ``i`` meanwhile.
+   then writes layer after layer into vLLM's blocks (stored K is after RoPE, at the
+   positions it goes back to), setting ``ready[i]`` after layer ``i``. vLLM computes layer
+   ``i`` meanwhile.
 2. ``wait_layer(i)`` (vLLM's ``wait_for_layer_load``, before layer ``i``'s attention):
    returns when layer ``i`` is written. A failure or the deadline cancels the load: from then
    on the thread never writes vLLM's tensors again (each layer write holds a lock that
@@ -14,8 +15,8 @@ Per step, in vLLM's order:
    ``take_failed_blocks`` so vLLM recomputes those tokens (``kv_load_failure_policy:
    "recompute"``).
 3. ``capture(i, saves)`` (vLLM's ``save_kv_layer``, after layer ``i``'s attention): copies
-   layer ``i`` of the step's new full blocks out of vLLM's tensors into host staging, K
-   un-rotated (on a copy thread of its own on the CPU, on the caller's stream on CUDA). The
+   layer ``i`` of the step's new full blocks out of vLLM's tensors into host staging, as
+   vLLM holds them (on a copy thread of its own on the CPU, on the caller's stream on CUDA). The
    blocks a step saves are chosen when their first layer is captured: only as many as the
    bounded save queue takes; the rest are dropped and counted.
 4. ``finish_step()`` (``wait_for_save``): waits for the copies and hands the staged blocks
@@ -39,10 +40,9 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace, WriteStatus
 from kvstore.inference_adapter.saver import SaveJob, SaveQueue
-from kvstore.inference_adapter.vllm.layout import LayerKV, gather, scatter, token_positions
+from kvstore.inference_adapter.vllm.layout import LayerKV, gather, scatter
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
-from kvstore.kernels import RopeTables
 
 __all__ = ["WorkerSide"]
 
@@ -87,8 +87,6 @@ class WorkerSide:
         link: The daemon.
         namespace: The model and tenant; its block layout is the stored form.
         layers: Per attention layer in model order, its K/V views.
-        rope: RoPE tables on the layers' device covering every position, or ``None`` to
-            store K as vLLM holds it.
         save_queue_blocks: Most blocks waiting to be put.
         load_timeout_s: How long ``wait_layer`` waits for one layer.
     """
@@ -98,7 +96,6 @@ class WorkerSide:
         link: Link,
         namespace: Namespace,
         layers: Sequence[LayerKV],
-        rope: RopeTables | None,
         *,
         save_queue_blocks: int,
         load_timeout_s: float,
@@ -107,7 +104,6 @@ class WorkerSide:
         self.layers = list(layers)
         self.block_tokens = namespace.model.block_tokens
         self.per_block = self.block_tokens // self.layers[0].block_size
-        self.rope = rope
         self.load_timeout_s = load_timeout_s
         self.device = self.layers[0].k.device
         self.dtype = getattr(torch, namespace.model.dtype)
@@ -203,7 +199,6 @@ class WorkerSide:
         targets = [self._targets(spec) for spec in specs]
         block_ids = torch.cat([t[0] for t in targets])
         write = torch.cat([t[1] for t in targets])
-        positions = token_positions(torch.cat([t[2] for t in targets]), self.block_tokens)
         for index, layer in enumerate(self.layers):
             start = index * layer_bytes
             # [n, 2, kv_heads, block_tokens, head_dim]: layer ``index`` of every block
@@ -212,19 +207,18 @@ class WorkerSide:
             with self._write_lock:
                 if load.cancelled:
                     return
-                scatter(layer, blocks[:, 0], blocks[:, 1], block_ids, positions, self.rope, write)
+                scatter(layer, blocks[:, 0], blocks[:, 1], block_ids, write)
             load.ready[index].set()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the leases end on return
 
-    def _targets(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """vLLM block ids ``[n, per_block]``, which to write, and first block indices."""
+    def _targets(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM block ids ``[n, per_block]`` and which of them to write."""
         n, per = len(spec.keys), self.per_block
         ids = torch.tensor(spec.block_ids, dtype=torch.int64).view(n, per)
         sequence_index = spec.first_block * per + torch.arange(n * per).view(n, per)
-        first = torch.arange(spec.first_block, spec.first_block + n, dtype=torch.int64)
         on = self.device
-        return ids.to(on), (sequence_index >= spec.skip_before).to(on), first.to(on)
+        return ids.to(on), (sequence_index >= spec.skip_before).to(on)
 
     def _cancel(self, load: _Load, why: str) -> None:
         with self._write_lock:
@@ -265,12 +259,7 @@ class WorkerSide:
         for spec, staging in staged:
             ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.device)
             ids = ids.view(len(spec.keys), self.per_block)
-            first = torch.arange(
-                spec.first_block, spec.first_block + len(spec.keys), device=self.device
-            )
-            k, v = gather(
-                self.layers[layer], ids, token_positions(first, self.block_tokens), self.rope
-            )
+            k, v = gather(self.layers[layer], ids)
             staging[:, layer, 0].copy_(k, non_blocking=True)
             staging[:, layer, 1].copy_(v, non_blocking=True)
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kvstore.client import ROOT_KEY, ModelFingerprint, Namespace, block_keys
+from kvstore.client import ROOT_KEY, KeySalt, ModelFingerprint, Namespace, block_keys
 
 GOLDEN_MODEL = ModelFingerprint(
     "golden-model",
@@ -29,10 +29,16 @@ GOLDEN_MODEL = ModelFingerprint(
 GOLDEN = Namespace(GOLDEN_MODEL, tenant="tenant-a")
 GOLDEN_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 GOLDEN_ROOT = "f00b645ffb15c9664584369a452c45d41b23b9dca411342b133bcab40cceaf35"
-GOLDEN_NAMESPACE = "edbb5acea802283a98b7a931ae4d39bae7b1d43caedfb2dc2c750afd463025d2"
+# Fingerprint v2 (stored K after RoPE); the v1 digest was edbb5ace...
+GOLDEN_NAMESPACE = "e58d4cacf8ed19b27c90e3a9208cb5ada79c909da7c480a2698e30b3b605ccac"
 GOLDEN_KEYS = [
-    "2ad2aaafd4df20eb71e6c3c36abd25db0b248aa9a837334937b3f22d0442bf99",
-    "5bbbfd3fce3295eda0a29b3f91ed9581943014fa43d4a78c5edfa3c3d08d6749",
+    "284563c439f3711dc4ba35bea3bd61bf7085102afce59b346f459059b1d5c27e",
+    "54923f233516996b1abe17f2111b1ca16a5954797e4401cfd25296d949107adb",
+]
+GOLDEN_SALT = KeySalt(b"session-1", from_block=1)
+GOLDEN_SALTED_KEYS = [
+    GOLDEN_KEYS[0],  # before from_block: the plain chain's key
+    "dc1bbeeed1dd25d6a463f746482f46eb0e46255e75536853b01d33f260a16276",
 ]
 
 LLAMA = ModelFingerprint("llama-test", num_layers=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
@@ -62,6 +68,42 @@ def test_golden_vector_follows_the_chain_formula() -> None:
     h0 = hashlib.sha256(ROOT_KEY + GOLDEN.digest() + struct.pack("<4I", 1, 2, 3, 4)).digest()
     h1 = hashlib.sha256(h0 + GOLDEN.digest() + struct.pack("<4I", 5, 6, 7, 8)).digest()
     assert keys == [h0, h1]
+
+
+def test_golden_salted_chain_hashes_the_salt_once_at_its_first_block() -> None:
+    keys = block_keys(GOLDEN_TOKENS, GOLDEN, GOLDEN_SALT)
+
+    assert [key.hex() for key in keys] == GOLDEN_SALTED_KEYS
+    salt = hashlib.sha256(b"kvstore/key-salt/v1\0session-1").digest()
+    assert GOLDEN_SALT.digest() == salt
+    h1 = hashlib.sha256(keys[0] + GOLDEN.digest() + salt + struct.pack("<4I", 5, 6, 7, 8))
+    assert keys[1] == h1.digest()
+
+
+def test_a_salt_changes_every_key_from_its_block_on_and_none_before() -> None:
+    ns = small()
+    tokens = list(range(100, 124))  # 6 blocks
+    plain = block_keys(tokens, ns)
+    for from_block in range(7):
+        salted = block_keys(tokens, ns, KeySalt(b"s", from_block))
+        assert salted[:from_block] == plain[:from_block]
+        assert not set(salted[from_block:]) & set(plain)
+    other = block_keys(tokens, ns, KeySalt(b"t", 2))
+    assert not set(other[2:]) & set(block_keys(tokens, ns, KeySalt(b"s", 2))[2:])
+
+
+@pytest.mark.parametrize(
+    ("salt", "from_block", "message"),
+    [
+        (b"", 0, "non-empty bytes"),
+        ("s", 0, "non-empty bytes"),
+        (b"s", -1, ">= 0"),
+        (b"s", 1.0, "int"),
+    ],
+)
+def test_bad_salts_are_refused_by_name(salt: object, from_block: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KeySalt(salt, from_block)  # type: ignore[arg-type]
 
 
 def test_keys_do_not_depend_on_the_interpreter_hash_seed() -> None:

@@ -9,9 +9,10 @@ function each.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.model import LlamaModel, load_model
 from kvstore.inference_adapter.sessions import ChatServer
-from kvstore.kernels import apply_rope
 from tests.inference_adapter.conftest import hf_model, tiny_config
 from tests.support.daemon import Daemon, running_daemon
 
@@ -74,7 +74,9 @@ def store_engine(
 ) -> tuple[Engine, StoreConnector]:
     """An engine with a store connector in its own tenant (tests share one daemon)."""
     engine = Engine(model, num_pages=64, page_tokens=PAGE)
-    namespace = namespace_for(engine.config, model_name="tiny", block_tokens=PAGE, tenant=tenant)
+    namespace = namespace_for(
+        engine.config, model_name="tiny", block_tokens=PAGE, dtype=model.dtype, tenant=tenant
+    )
     connector = StoreConnector(
         client,
         namespace,
@@ -100,16 +102,14 @@ def hf_generate(models: TinyModels, prompt: list[int], max_tokens: int) -> list[
 
 
 def reference_blocks(models: TinyModels, tokens: list[int], namespace: Namespace) -> torch.Tensor:
-    """The pre-RoPE KV of ``tokens``' full blocks as transformers computes it, in the store's
-    layout ``[num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]``."""
+    """The KV of ``tokens``' full blocks as transformers computes it (K after RoPE), in the
+    store's layout ``[num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]``."""
     with torch.no_grad():
         cache = models.hf(torch.tensor([tokens]), use_cache=True).past_key_values
     bt, n = namespace.model.block_tokens, len(tokens) // namespace.model.block_tokens
-    rope = models.engine.rope_tables
-    positions = torch.arange(n * bt)[:, None]
     layers = []
     for layer in cache.layers:
-        k = apply_rope(layer.keys[0, :, : n * bt].transpose(0, 1), positions, rope, inverse=True)
+        k = layer.keys[0, :, : n * bt].transpose(0, 1)
         v = layer.values[0, :, : n * bt].transpose(0, 1)
         kv = torch.stack((k, v))  # [2, seq, kv_heads, head_dim]
         layers.append(kv.unflatten(1, (n, bt)).permute(1, 0, 3, 2, 4))  # [n, 2, heads, bt, dim]
@@ -154,6 +154,75 @@ def test_chat_through_the_store_answers_like_recompute_and_transformers(
     stats = connector.stats()
     assert stats.failed_loads == stats.lookup_errors == stats.dropped_saves == 0
     assert stats.saves.stored == stats.queued_saves > 0
+    connector.close()
+
+
+class PoolCopies(StoreConnector):
+    """Keeps a copy of the pages a request computed (at its first save) and loaded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.computed: dict[str, torch.Tensor] = {}
+        self.loaded: dict[str, torch.Tensor] = {}
+        self._loaded_pages: dict[str, list[int]] = {}
+
+    def start_load(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
+        super().start_load(request, pages, num_tokens)
+        self._loaded_pages[request.request_id] = list(pages[: num_tokens // PAGE])
+
+    def save(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
+        if request.request_id not in self.computed:
+            self.computed[request.request_id] = self.pool.kv_pool[:, :, pages].clone()
+        super().save(request, pages, num_tokens)
+
+    def request_finished(self, request: Request) -> None:
+        if pages := self._loaded_pages.get(request.request_id):
+            self.loaded[request.request_id] = self.pool.kv_pool[:, :, pages].clone()
+        super().request_finished(request)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_prefix_hit_puts_back_the_bits_the_engine_computed(
+    models: TinyModels, client: KVStoreClient, dtype: torch.dtype
+) -> None:
+    model = copy.deepcopy(models.engine).to(dtype)
+    engine = Engine(model, num_pages=64, page_tokens=PAGE)
+    namespace = namespace_for(
+        model.config, model_name="tiny", block_tokens=PAGE, dtype=dtype, tenant=f"bits-{dtype}"
+    )
+    connector = PoolCopies(
+        client, namespace, kv_pool=engine.kv_pool, page_tokens=PAGE, rope_tables=model.rope_tables
+    )
+    engine.connector = connector
+    prompt = [token for message in MESSAGES for token in message]  # 106 tokens: 6 blocks
+    first, second = (Request(name, list(prompt), SAMPLING) for name in ("first", "second"))
+    engine.generate([first])
+    assert connector.wait_for_saves(10.0)
+    engine.generate([second])
+    assert second.loaded_from == {"host": 6}
+    computed, loaded = connector.computed["first"][:, :, :6], connector.loaded["second"]
+    assert torch.equal(loaded.view(torch.uint8), computed.view(torch.uint8))  # every bit
+    # The stored bytes are the pool's too, K after RoPE: [layers, 2, page, heads, dim] per page.
+    stored = stored_blocks(client, namespace, block_keys(prompt, namespace))
+    assert torch.equal(
+        stored.permute(1, 2, 0, 4, 3, 5).view(torch.uint8), computed.view(torch.uint8)
+    )
+    assert second.output == first.output
+    connector.close()
+
+
+def test_a_bf16_chat_through_the_store_answers_like_recompute(
+    models: TinyModels, client: KVStoreClient
+) -> None:
+    model = copy.deepcopy(models.engine).to(torch.bfloat16)
+    engine, connector = store_engine(model, client, "bf16-chat")
+    server = ChatServer(engine, connector=connector, sampling=SamplingParams(max_tokens=12))
+    for index, message in enumerate([*MESSAGES, MESSAGES[1], MESSAGES[3]]):  # 6 turns
+        turn = server.chat("erin", message)
+        assert connector.wait_for_saves(10.0)
+        assert turn.dropped_tokens == 0  # within the window: every turn is exact
+        assert turn.reply == recompute(model, turn.request.prompt, server.sampling).output
+        assert bool(turn.request.num_loaded_tokens) == (index > 0)
     connector.close()
 
 

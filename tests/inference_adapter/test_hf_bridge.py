@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient, UnavailableError
+from kvstore.client import KVStoreClient, UnavailableError, WriteStatus
 from kvstore.inference_adapter.connector import namespace_for
 from kvstore.inference_adapter.hf_bridge import KVStoreCache, generate_with_store, hf_namespace
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
@@ -49,19 +50,45 @@ def test_generate_with_store_answers_like_plain_generate_over_turns(
         ids = torch.cat([out, torch.tensor([message], dtype=out.dtype)], dim=1)
 
 
-def test_restored_keys_are_rotated_like_the_model_rotates_them(
-    models: TinyModels, client: KVStoreClient
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_restored_cache_holds_the_bits_the_model_computed(
+    models: TinyModels, client: KVStoreClient, dtype: torch.dtype
 ) -> None:
-    namespace = bridge_namespace(models, "bridge-rope")
+    model = copy.deepcopy(models.hf).to(dtype)
+    namespace = hf_namespace(model, model_name="tiny", block_tokens=PAGE, tenant=f"bits-{dtype}")
+    assert namespace.model.dtype == str(dtype).removeprefix("torch.")
     prompt = torch.tensor([MESSAGES[0] + MESSAGES[1]])  # 58 tokens: 3 blocks
-    generate_with_store(models.hf, prompt, client, namespace, max_new_tokens=1, do_sample=False)
-    cache = KVStoreCache(client, namespace, models.hf)
+    generate_with_store(model, prompt, client, namespace, max_new_tokens=1, do_sample=False)
+    cache = KVStoreCache(client, namespace, model)
     assert cache.restore(prompt) == 48
     with torch.no_grad():
-        own = models.hf(prompt, use_cache=True).past_key_values
+        own = model(prompt, use_cache=True).past_key_values
     for restored, computed in zip(cache.layers, own.layers, strict=True):
-        torch.testing.assert_close(restored.keys, computed.keys[:, :, :48], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(restored.values, computed.values[:, :, :48])
+        assert torch.equal(restored.keys, computed.keys[:, :, :48])
+        assert torch.equal(restored.values, computed.values[:, :, :48])
+
+
+def test_a_repeated_prompt_puts_nothing_it_saved_before(
+    models: TinyModels, client: KVStoreClient
+) -> None:
+    """The second call generates the same reply: its output block is held already."""
+    namespace = bridge_namespace(models, "bridge-again")
+    statuses: list[WriteStatus] = []
+    put = client.put
+
+    def spy(*args: Any, **kwargs: Any) -> list[WriteStatus]:
+        statuses.extend(result := put(*args, **kwargs))
+        return result
+
+    client.put = spy  # type: ignore[method-assign]
+    prompt = torch.tensor([MESSAGES[0]])  # 37 tokens: the reply's KV fills block 2
+    options: dict[str, Any] = {"max_new_tokens": 12, "do_sample": False}
+    first, cache = generate_with_store(models.hf, prompt, client, namespace, **options)
+    assert cache.saved_blocks == 3 and statuses == [WriteStatus.STORED] * 3
+    again, cache = generate_with_store(models.hf, prompt, client, namespace, **options)
+    assert torch.equal(again, first)
+    assert cache.restored_tokens == 32 and cache.saved_blocks == 0
+    assert statuses == [WriteStatus.STORED] * 3  # nothing was sent twice
 
 
 def test_blocks_the_engine_saved_serve_the_bridge(

@@ -16,8 +16,8 @@ import torch
 from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, block_keys
 from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.interfaces import Request, ReusedBlock, SamplingParams
+from kvstore.inference_adapter.loader import move_k
 from kvstore.inference_adapter.sessions import ByteTokenizer, ChatServer, TurnPlan, plan_turn
-from kvstore.kernels import apply_rope
 from tests.inference_adapter.test_connector import (
     PAGE,
     TinyModels,
@@ -61,13 +61,39 @@ def test_truncation_keeps_sinks_drops_whole_blocks_and_shifts_the_rest() -> None
     assert plan.prompt == [*context[:4], *context[12:], *message]
     keys = block_keys(context, NAMESPACE)
     assert plan.reuse == (
-        ReusedBlock(keys[0], 0),
-        ReusedBlock(keys[3], 4),
-        ReusedBlock(keys[4], 8),
-        ReusedBlock(keys[5], 12),
+        ReusedBlock(keys[0], 0, 0),
+        ReusedBlock(keys[3], 4, 12),
+        ReusedBlock(keys[4], 8, 16),
+        ReusedBlock(keys[5], 12, 20),
     )
-    # The sink block's key is the new chain's too; shifted blocks get new keys.
-    assert block_keys(plan.prompt, NAMESPACE)[0] == keys[0]
+    # From the first shifted block on, the new prompt's KV is approximate: salted keys.
+    assert plan.salt is not None and plan.salt.from_block == 1
+    salted, plain = (
+        block_keys(plan.prompt, NAMESPACE, plan.salt),
+        block_keys(plan.prompt, NAMESPACE),
+    )
+    assert salted[0] == plain[0] == keys[0]  # the sink block stays exact and shared
+    assert not set(salted[1:]) & set(plain[1:])
+
+
+def test_a_second_cut_of_a_salted_context_reads_its_salted_chain() -> None:
+    context = list(range(1, 27))
+    first = small_plan(context, [99] * 3, window=24, namespace=NAMESPACE, truncate_fraction=0.0)
+    grown = [*first.prompt, *range(40, 52)]  # the reply and the next message
+    options = {"window": 24, "namespace": NAMESPACE, "truncate_fraction": 0.0}
+    second = small_plan(grown, [98] * 3, salt=first.salt, origin=b"s", **options)
+    salted = block_keys(grown, NAMESPACE, first.salt)
+    assert {block.key for block in second.reuse} <= set(salted)  # what the context was saved as
+    assert second.salt is not None and second.salt != first.salt
+    # Same session and context, same salt; another session, another salt.
+    assert small_plan(grown, [98] * 3, salt=first.salt, origin=b"s", **options) == second
+    other = small_plan(grown, [98] * 3, salt=first.salt, origin=b"t", **options)
+    assert other.salt != second.salt
+
+
+def test_a_turn_that_fits_keeps_the_sessions_salt() -> None:
+    salt = small_plan(list(range(1, 27)), [9] * 3, window=24, namespace=NAMESPACE).salt
+    assert small_plan([1] * 10, [2] * 5, window=64, namespace=NAMESPACE, salt=salt).salt == salt
 
 
 def test_truncation_drops_at_least_the_fraction_asked() -> None:
@@ -145,15 +171,28 @@ def test_a_session_past_the_window_reuses_kept_kv_at_new_positions(
         for index, block in enumerate(request.reuse[: request.num_loaded_tokens // PAGE]):
             assert block.position == index * PAGE
             stored = stored_blocks(client, connector.namespace, [block.key])[0]
-            positions = torch.arange(block.position, block.position + PAGE)[:, None]
+            now = torch.arange(block.position, block.position + PAGE)[:, None]
+            then = torch.arange(block.stored_at, block.stored_at + PAGE)[:, None]
             for layer in range(stored.size(0)):
-                k = stored[layer, 0].transpose(0, 1)  # [page, heads, dim], before RoPE
-                expected = apply_rope(k, positions, engine.rope_tables)
+                k = stored[layer, 0].transpose(0, 1)  # [page, heads, dim], rotated to ``then``
+                expected = move_k(k, then, now, engine.rope_tables)
                 assert torch.equal(snapshot[layer, 0, index], expected)
+                if block.stored_at != block.position:
+                    assert not torch.equal(expected, k)  # K really was re-rotated
+                else:
+                    assert torch.equal(expected, k)  # a sink block: its own bits
                 assert torch.equal(snapshot[layer, 1, index], stored[layer, 1].transpose(0, 1))
-        # The shifted blocks were re-saved under the new chain: the next turn is a prefix hit.
-    after = server.session("dana").turns[-1].request
+        # The shifted blocks were re-saved under the session's salted chain: the next turn
+        # is a prefix hit ...
+        session = server.session("dana")
+        assert request.salt is not None
+    after = session.turns[-1].request
     assert after.num_loaded_tokens > 0
+    # ... and an exact request of the same tokens finds only the sink block.
+    namespace = connector.namespace
+    exact = client.lookup(namespace, block_keys(session.context, namespace))
+    assert exact == 1
+    assert client.lookup(namespace, block_keys(session.context, namespace, session.salt)) > 1
     connector.close()
 
 

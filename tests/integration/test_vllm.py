@@ -188,7 +188,7 @@ def check_engine_reads_vllm_blocks(model: Path, daemon: Daemon) -> None:
         assert sum(loaded.loaded_from.values()) == (len(prompt) - 1) // BLOCK
         assert loaded.output == alone.output
 
-        # Block by block, vLLM's KV (K un-rotated) matches the engine's own.
+        # Block by block, vLLM's KV (K after RoPE, as both hold it) matches the engine's own.
         own_keys = block_keys(prompt, own_namespace)
         for theirs, ours in zip(
             client.get(namespace, keys), client.get(own_namespace, own_keys), strict=True

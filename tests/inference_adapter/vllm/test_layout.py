@@ -3,7 +3,7 @@
 Each layout is built the way vLLM allocates it (same shapes and strides), filled with values
 derived from (block, head, token, dim), and checked where vLLM's attention reads them (the
 slicing of vLLM's backends, restated here) and against the store's form: a block
-``[2, kv_heads, block_tokens, head_dim]`` per layer, K before RoPE.
+``[2, kv_heads, block_tokens, head_dim]`` per layer, K after RoPE, bit for bit as vLLM holds it.
 
 ``KVSTORE_TEST_DEVICE=cuda`` runs them on CUDA tensors (``benchmarks/gpu_check.sh``).
 """
@@ -21,9 +21,7 @@ from kvstore.inference_adapter.vllm.layout import (
     layer_kv,
     layout_of,
     scatter,
-    token_positions,
 )
-from kvstore.kernels import RopeConfig, apply_rope, rope_tables
 
 BLOCKS, HEADS, SIZE, DIM = 12, 2, 32, 64
 DEVICE = torch.device(os.environ.get("KVSTORE_TEST_DEVICE", "cpu"))
@@ -139,45 +137,34 @@ def test_a_cpu_layout_with_strided_rows_is_refused() -> None:
 
 @pytest.mark.parametrize(("layout", "make"), LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("per_block", [1, 2])
-def test_gather_joins_vllm_blocks_into_stored_blocks_with_k_unrotated(
-    layout, make, per_block
-) -> None:  # type: ignore[no-untyped-def]
+def test_gather_joins_vllm_blocks_into_stored_blocks_bit_for_bit(layout, make, per_block) -> None:  # type: ignore[no-untyped-def]
     layer = layer_kv(make(), layout, num_kv_heads=HEADS, head_dim=DIM)
     fill(layer)
-    rope = rope_tables(RopeConfig(theta=10000.0, head_dim=DIM), 4096, DEVICE)
     ids = torch.tensor([[7, 2], [4, 9]], device=DEVICE)[:, :per_block]
-    first = torch.tensor([3, 5], device=DEVICE)  # stored block indices in the sequence
     block_tokens = SIZE * per_block
-    positions = token_positions(first, block_tokens)
-    k, v = gather(layer, ids, positions, rope)
+    k, v = gather(layer, ids)
     assert k.shape == v.shape == (2, HEADS, block_tokens, DIM)
     for n in range(2):
         for part in range(per_block):
             tokens = slice(part * SIZE, (part + 1) * SIZE)
             assert torch.equal(v[n, :, tokens], truth(1)[ids[n, part]])
-            rotated_back = apply_rope(k[n, :, tokens], positions[n, :, tokens], rope)
-            torch.testing.assert_close(rotated_back, truth(0)[ids[n, part]], rtol=1e-5, atol=0.5)
-    assert int(positions[1, 0, 0]) == 5 * block_tokens  # the positions the tokens hold
-    # K really was un-rotated: it differs from what vLLM holds (position 0 excepted).
-    assert not torch.allclose(k[0, :, :SIZE], truth(0)[ids[0, 0]])
+            assert torch.equal(k[n, :, tokens], truth(0)[ids[n, part]])  # K as vLLM holds it
 
 
 @pytest.mark.parametrize(("layout", "make"), LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_scatter_inverts_gather_and_writes_only_its_blocks(layout, make) -> None:  # type: ignore[no-untyped-def]
     source = layer_kv(make(), layout, num_kv_heads=HEADS, head_dim=DIM)
     fill(source)
-    rope = rope_tables(RopeConfig(theta=10000.0, head_dim=DIM), 4096, DEVICE)
     ids = torch.tensor([[1, 6], [8, 3]], device=DEVICE)
-    positions = token_positions(torch.tensor([0, 1], device=DEVICE), 2 * SIZE)
-    k, v = gather(source, ids, positions, rope)
+    k, v = gather(source, ids)
 
     target_kv = make()
     target = layer_kv(target_kv, layout, num_kv_heads=HEADS, head_dim=DIM)
     target_ids = torch.tensor([[10, 0], [5, 11]], device=DEVICE)
-    scatter(target, k, v, target_ids, positions, rope)
+    scatter(target, k, v, target_ids)
     for src, dst in zip(ids.flatten().tolist(), target_ids.flatten().tolist(), strict=True):
         assert torch.equal(target.v[dst], truth(1)[src])
-        torch.testing.assert_close(target.k[dst], truth(0)[src], rtol=1e-5, atol=0.5)
+        assert torch.equal(target.k[dst], truth(0)[src])
     untouched = sorted(set(range(BLOCKS)) - set(target_ids.flatten().tolist()))
     assert not target.k[untouched].any() and not target.v[untouched].any()
 
@@ -186,21 +173,12 @@ def test_scatter_with_a_mask_leaves_what_vllm_computed_itself() -> None:
     source = layer_kv(packed(), "cpu", num_kv_heads=HEADS, head_dim=DIM)
     fill(source)
     ids = torch.tensor([[1, 2], [3, 4]], device=DEVICE)
-    positions = token_positions(torch.tensor([0, 1], device=DEVICE), 2 * SIZE)
-    k, v = gather(source, ids, positions, None)
+    k, v = gather(source, ids)
     target = layer_kv(packed(), "cpu", num_kv_heads=HEADS, head_dim=DIM)
     target.k.fill_(-1.0)
     write = torch.tensor(
         [[False, False], [False, True]], device=DEVICE
     )  # only the last part is loaded
-    scatter(target, k, v, ids, positions, None, write)
+    scatter(target, k, v, ids, write)
     assert torch.equal(target.k[4], truth(0)[4]) and torch.equal(target.v[4], truth(1)[4])
     assert bool((target.k[1:4] == -1.0).all()) and not target.v[1:4].any()
-
-
-def test_without_rope_k_is_stored_as_vllm_holds_it_bit_for_bit() -> None:
-    layer = layer_kv(split_nhd(), "split", num_kv_heads=HEADS, head_dim=DIM)
-    fill(layer)
-    ids = torch.tensor([[5], [0]], device=DEVICE)
-    k, v = gather(layer, ids, token_positions(torch.tensor([2, 3], device=DEVICE), SIZE), None)
-    assert torch.equal(k[0], truth(0)[5]) and torch.equal(v[1], truth(1)[0])
