@@ -14,8 +14,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-MIN_HEAD_DIM = 16
+MIN_HEAD_DIM = 2
 MAX_HEAD_DIM = 256
+MIN_DOT_DIM = 16  # tl.dot wants every operand dim >= 16
 
 
 def check_tensor(
@@ -72,12 +73,19 @@ def check_size(name: str, tensor: torch.Tensor, dim: int, expected: int, what: s
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
-    """The kernels tile head_dim whole: a power of two in 16..256."""
-    if head_dim & (head_dim - 1) or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+    """Raise ValueError unless head_dim is even (RoPE pairs its halves) and in
+    ``MIN_HEAD_DIM .. MAX_HEAD_DIM``. It need not be a power of two: the kernels tile it
+    padded to ``head_dim_tile(head_dim)`` and mask the tail lanes."""
+    if head_dim % 2 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(
-            f"{name} head_dim must be a power of two in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, "
-            f"got {head_dim}"
+            f"{name} head_dim must be even and in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {head_dim}"
         )
+
+
+def head_dim_tile(head_dim: int) -> int:
+    """The kernels' tile along head_dim: the next power of two, at least 16 (``tl.dot``'s
+    smallest operand); lanes past head_dim are masked."""
+    return max(MIN_DOT_DIM, 1 << (head_dim - 1).bit_length())
 
 
 def check_scale(scale: float | None, head_dim: int) -> float:

@@ -19,8 +19,9 @@ Query heads are a multiple of KV heads (GQA): query head h reads KV head
     -> out:       [num_tokens, num_heads, head_dim], q's dtype
 
 ``prefill_attention_triton`` is one flash-attention style kernel (online softmax in float32,
-one program per query tile, sequence and query head). ``prefill_attention_reference`` is the
-torch version: per sequence, gather the pages densely and run a masked softmax in float32.
+one program per query tile, sequence and query head, head_dim tiled padded to a power of two,
+tail lanes masked). ``prefill_attention_reference`` is the torch version: per sequence,
+gather the pages densely and run a masked softmax in float32.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvstore.kernels._checks import (
     check_scale,
     check_size,
     check_tensor,
+    head_dim_tile,
 )
 from kvstore.kernels.paged import check_caches, gather_tokens
 
@@ -46,10 +48,10 @@ LOG2_E = 1.4426950408889634
 
 @triton.jit  # type: ignore[untyped-decorator]
 def attend_pages(  # type: ignore[no-untyped-def]
-    acc,  # [ROWS, HEAD_DIM] float32 running output
+    acc,  # [ROWS, BLOCK_D] float32 running output, lanes past HEAD_DIM zero
     l_i,  # [ROWS] running sum of exp2
     m_i,  # [ROWS] running max, log2 domain
-    q,  # [ROWS, HEAD_DIM]
+    q,  # [ROWS, BLOCK_D], lanes past HEAD_DIM zero
     q_positions,  # [ROWS] a query sees keys at positions <= its own
     k_ptr,  # [num_pages, page_tokens, num_kv_heads, HEAD_DIM]
     v_ptr,  # [num_pages, page_tokens, num_kv_heads, HEAD_DIM], k_ptr's strides
@@ -63,19 +65,23 @@ def attend_pages(  # type: ignore[no-untyped-def]
     scale_log2,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold keys ``start .. end - 1`` of one sequence into a running softmax (flash
     attention, one KV head); returns the updated acc, l_i, m_i."""
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
         pages = tl.load(table + keys // page_tokens, mask=key_ok, other=0).to(tl.int64)
         rows = pages * stride_page + (keys % page_tokens) * stride_token + head_offset
-        k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        # Zero tail lanes add nothing to q @ k and leave acc's tail lanes zero.
+        kv_ok = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -111,6 +117,7 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
     page_tokens,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -127,9 +134,10 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len
     q_positions = seq_len - q_len + rows
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     q_rows = (q_start + rows).to(tl.int64) * q_stride_token + head * q_stride_head
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -139,7 +147,7 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
     # row, so the running max is finite after the first key block.
     end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
     acc, l_i, _ = attend_pages(
-        tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
+        tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
         tl.zeros([BLOCK_M], tl.float32),
         tl.full([BLOCK_M], float("-inf"), tl.float32),
         q,
@@ -156,6 +164,7 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
         scale_log2,
         BLOCK_N,
         HEAD_DIM,
+        BLOCK_D,
         DOT_FP32,
         DOT_PRECISION,
     )
@@ -164,7 +173,7 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
     tl.store(
         out_ptr + out_rows[:, None] + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
+        mask=mask,
     )
 
 
@@ -290,6 +299,7 @@ def prefill_attention_triton(
         k_cache.size(1),
         GROUP=num_heads // k_cache.size(2),
         HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_tile(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         **dot_options(q),

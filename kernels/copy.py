@@ -15,9 +15,10 @@ With ``rope=None`` both are plain copies. Layouts (see ``kvstore.kernels.paged``
     slot_mapping: [num_blocks, block_tokens] int64, the pool slot of each token, -1 to skip
     positions:    [num_blocks, block_tokens] int32/int64, each < rope.max_positions
 
-Slots must be distinct. The torch references (``*_reference``) do the same float32
-arithmetic in the same order, so the Triton kernels match them bit for bit; bfloat16 results
-are rounded to nearest-even by hand because the Triton interpreter truncates.
+Slots must be distinct. The kernel tiles head_dim padded to a power of two and masks the
+tail lanes. The torch references (``*_reference``) do the same float32 arithmetic in the same
+order, so the Triton kernels match them bit for bit; bfloat16 results are rounded to
+nearest-even by hand because the Triton interpreter truncates.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvstore.kernels._checks import (
     check_head_dim,
     check_size,
     check_tensor,
+    head_dim_tile,
 )
 from kvstore.kernels.paged import POOL_SHAPE
 from kvstore.kernels.rope import RopeTables, apply_rope
@@ -67,6 +69,7 @@ def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
     page_tokens,
     num_kv_heads,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr,
     SAVE: tl.constexpr,
@@ -104,28 +107,32 @@ def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
         dst_k = pool_ptr + pool_rows
         dst_v = dst_k + pool_stride_kv
 
-    dims = tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(dst_v[:, None] + dims, tl.load(src_v[:, None] + dims, mask=mask), mask=mask)
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    lanes = mask & (dims < HEAD_DIM)
+    tl.store(dst_v[:, None] + dims, tl.load(src_v[:, None] + dims, mask=lanes), mask=lanes)
     if ROTATE:
-        half = tl.arange(0, HEAD_DIM // 2)[None, :]
+        # Dim i pairs with dim i + HEAD_DIM // 2 of the real head_dim, not of the tile.
+        half = tl.arange(0, BLOCK_D // 2)[None, :]
+        half_lanes = mask & (half < HEAD_DIM // 2)
         positions = tl.load(positions_ptr + token_index, mask=valid, other=0).to(tl.int64)
         table = positions[:, None] * (HEAD_DIM // 2) + half
-        cos = tl.load(cos_ptr + table, mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
+        cos = tl.load(cos_ptr + table, mask=half_lanes, other=0.0)
+        sin = tl.load(sin_ptr + table, mask=half_lanes, other=0.0)
         if SAVE:
             sin = -sin
-        x1 = tl.load(src_k[:, None] + half, mask=mask).to(tl.float32)
-        x2 = tl.load(src_k[:, None] + HEAD_DIM // 2 + half, mask=mask).to(tl.float32)
+        x1 = tl.load(src_k[:, None] + half, mask=half_lanes, other=0.0).to(tl.float32)
+        x2 = tl.load(src_k[:, None] + HEAD_DIM // 2 + half, mask=half_lanes, other=0.0)
+        x2 = x2.to(tl.float32)
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
         if ROUND_BF16:
             y1 = _round_to_bf16(y1)
             y2 = _round_to_bf16(y2)
         out_type = dst_k.dtype.element_ty
-        tl.store(dst_k[:, None] + half, y1.to(out_type), mask=mask)
-        tl.store(dst_k[:, None] + HEAD_DIM // 2 + half, y2.to(out_type), mask=mask)
+        tl.store(dst_k[:, None] + half, y1.to(out_type), mask=half_lanes)
+        tl.store(dst_k[:, None] + HEAD_DIM // 2 + half, y2.to(out_type), mask=half_lanes)
     else:
-        tl.store(dst_k[:, None] + dims, tl.load(src_k[:, None] + dims, mask=mask), mask=mask)
+        tl.store(dst_k[:, None] + dims, tl.load(src_k[:, None] + dims, mask=lanes), mask=lanes)
 
 
 def _check_copy_args(
@@ -216,6 +223,7 @@ def _copy_blocks_triton(
         kv_pool.size(3),
         num_kv_heads,
         HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_tile(head_dim),
         BLOCK_T=block_t,
         ROTATE=rope is not None,
         SAVE=save,

@@ -16,8 +16,9 @@ once per group.
 
 Long contexts are split: ``_decode_split_kernel`` runs ``num_splits`` programs per (sequence,
 KV head), each over one contiguous share of the keys, and writes a partial output and its
-log-sum-exp (float32); ``_decode_reduce_kernel`` merges the shares. The torch reference is
-prefill attention with one query per sequence.
+log-sum-exp (float32); ``_decode_reduce_kernel`` merges the shares. Both tile head_dim
+padded to a power of two and mask the tail lanes. The torch reference is prefill attention
+with one query per sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstore.kernels._checks import head_dim_tile
 from kvstore.kernels.attention import (
     LOG2_E,
     attend_pages,
@@ -61,6 +63,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -76,16 +79,17 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     group_rows = tl.arange(0, BLOCK_H)
     row_ok = group_rows < GROUP
     heads = kv_head * GROUP + group_rows
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     q_rows = seq * q_stride_batch + heads * q_stride_head
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
 
     table = block_tables_ptr + seq * table_stride
     # The query sits at position seq_len - 1: every key of the sequence is visible.
     acc, l_i, m_i = attend_pages(
-        tl.zeros([BLOCK_H, HEAD_DIM], tl.float32),
+        tl.zeros([BLOCK_H, BLOCK_D], tl.float32),
         tl.zeros([BLOCK_H], tl.float32),
         tl.full([BLOCK_H], float("-inf"), tl.float32),
         q,
@@ -102,6 +106,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         scale_log2,
         BLOCK_N,
         HEAD_DIM,
+        BLOCK_D,
         DOT_FP32,
         DOT_PRECISION,
     )
@@ -112,9 +117,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     part_rows = (seq * num_heads + heads) * num_splits + split
     tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
-    tl.store(
-        part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None]
-    )
+    tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -124,6 +127,7 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [batch, num_heads, HEAD_DIM] contiguous
     num_splits,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # batch * num_heads + head
@@ -131,14 +135,15 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     split_ok = splits < num_splits
     lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_ok, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, axis=0))  # the first share always holds keys
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
     parts = tl.load(
         part_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_ok[:, None],
+        mask=split_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -228,6 +233,7 @@ def decode_attention_triton(
         GROUP=group,
         BLOCK_H=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_tile(head_dim),
         BLOCK_N=tile_sizes(q)[1],
         **dot_options(q),
     )
@@ -237,6 +243,7 @@ def decode_attention_triton(
         out,
         num_splits,
         HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_tile(head_dim),
         BLOCK_S=triton.next_power_of_2(num_splits),
     )
     return out

@@ -55,14 +55,16 @@ def paged_batch(
     seed: int = 0,
     device: torch.device = DEVICE,
 ) -> PagedBatch:
-    """Random q, K and V; each sequence's KV written to its own shuffled pages."""
+    """Random q, K and V; each sequence's KV written to its own shuffled pages, NaN elsewhere."""
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page_tokens) for n in seq_lens]
     num_pages = sum(pages_per_seq) + 3  # spare pages hold garbage nobody may read
     order = torch.randperm(num_pages, generator=gen).to(torch.int32)
     tables = torch.zeros(len(seq_lens), max(pages_per_seq, default=0) + 1, dtype=torch.int32)
     pool = new_kv_pool(1, num_pages, page_tokens, num_kv_heads, head_dim, dtype=dtype)
-    pool.normal_(generator=gen)
+    # NaN where no sequence's tokens are: a kernel that reads past a token's head_dim or
+    # its sequence's end gets NaN in its output, even where the read is multiplied by zero.
+    pool.fill_(float("nan"))
     keys, values, taken = [], [], 0
     for seq, (n, pages) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
         tables[seq, :pages] = order[taken : taken + pages]

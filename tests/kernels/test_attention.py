@@ -19,12 +19,20 @@ PREFILL_CASES = {
     "gqa4-prefixes": (4, 1, 64, 8, [5, 17, 0, 1], [13, 17, 9, 40]),
     "gqa2-tiles": (4, 2, 128, 16, [33, 3], [33, 24]),
     "mha-odd-pages": (2, 2, 64, 5, [7], [19]),
+    # head_dims that are not powers of two: tiled padded, tail lanes masked.
+    "gqa2-head-dim-80": (4, 2, 80, 8, [5, 17], [13, 20]),
+    "mha-head-dim-48": (2, 2, 48, 5, [7, 1], [19, 6]),
+    "gqa4-head-dim-96": (4, 1, 96, 16, [3, 20], [30, 20]),
+    "mha-head-dim-8": (2, 2, 8, 4, [6], [9]),  # below tl.dot's 16: the tile stays 16
 }
 # (num_heads, num_kv_heads, head_dim, page_tokens, seq_lens, num_splits)
 DECODE_CASES = {
     "gqa4-splits": (8, 2, 128, 16, [1, 17, 70, 33], 3),
     "mha-one-split": (4, 4, 64, 8, [5, 40], 1),
     "gqa3-empty-shares": (6, 2, 64, 7, [30, 2, 13], 4),
+    "gqa4-head-dim-80": (8, 2, 80, 16, [1, 17, 40], 3),
+    "mha-head-dim-48": (4, 4, 48, 8, [5, 40], 2),
+    "gqa3-head-dim-96": (6, 2, 96, 7, [30, 2, 13], 4),
 }
 
 
@@ -168,7 +176,8 @@ def bad_prefill_args(batch: PagedBatch, **changes: object) -> dict[str, object]:
     ("change", "message"),
     [
         (lambda b: {"q": b.q.double()}, "q dtype"),
-        (lambda b: {"q": b.q[:, :, :48].contiguous()}, "q head_dim must be a power of two"),
+        (lambda b: {"q": b.q[:, :, :47].contiguous()}, "q head_dim must be even and in 2..256"),
+        (lambda b: {"q": b.q.repeat(1, 1, 3)}, "q head_dim must be even and in 2..256, got 384"),
         (lambda b: {"q": b.q.transpose(1, 2).contiguous().transpose(1, 2)}, "q must be contiguous"),
         (lambda b: {"q": b.q[:, :1].expand(-1, 3, -1)}, "multiple of k_cache's num_kv_heads"),
         (lambda b: {"k_cache": b.k_cache.half()}, "k_cache dtype"),

@@ -23,6 +23,10 @@ CASES = {
     "block-is-page": (2, 2, 128, 16, 16, 2),
     "block-spans-pages": (2, 1, 64, 12, 8, 3),
     "odd-sizes": (1, 3, 64, 5, 3, 2),
+    # head_dims that are not powers of two: tiled padded, tail lanes masked.
+    "head-dim-80": (2, 1, 80, 12, 8, 3),
+    "head-dim-48": (1, 3, 48, 5, 3, 2),
+    "head-dim-96": (1, 2, 96, 16, 16, 2),
 }
 MAX_POSITIONS = 1024
 LLAMA3 = Llama3Scaling(8.0, 1.0, 4.0, 64)  # a short original context: every band is used
@@ -186,6 +190,20 @@ def bad_copy_args(c: CopyCase, **changes: object) -> dict[str, object]:
         (lambda c: {"positions": c.positions.float()}, "positions dtype"),
         (lambda c: {"positions": None}, "positions and rope must be given together"),
         (lambda c: {"rope": rope_tables(RopeConfig(128), 8, DEVICE)}, "rope tables (head_dim 128"),
+        (
+            lambda c: {
+                "staging": c.staging[..., :63].contiguous(),
+                "kv_pool": c.kv_pool[..., :63].contiguous(),
+            },
+            "kv_pool head_dim must be even and in 2..256, got 63",
+        ),
+        (
+            lambda c: {
+                "staging": c.staging.repeat(1, 1, 1, 1, 1, 5),
+                "kv_pool": c.kv_pool.repeat(1, 1, 1, 1, 1, 5),
+            },
+            "kv_pool head_dim must be even and in 2..256, got 320",
+        ),
         (lambda c: {"staging": c.staging.to("meta")}, "staging must be on"),
     ],
 )

@@ -1,4 +1,5 @@
-"""The kernel checks again on CUDA at realistic sizes (Llama-3-8B-like heads, long contexts)."""
+"""The kernel checks again on CUDA at realistic sizes (Llama-3-8B-like heads, long contexts;
+Phi-like head_dims that are not powers of two)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ NUM_HEADS, NUM_KV_HEADS = 32, 8
 
 
 @EACH_DTYPE
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_prefill_with_long_cached_prefixes(head_dim: int, dtype: torch.dtype) -> None:
     batch = paged_batch(
         q_lens=[512, 1, 300, 1024],
@@ -45,15 +46,18 @@ def test_prefill_with_long_cached_prefixes(head_dim: int, dtype: torch.dtype) ->
 
 
 @EACH_DTYPE
+@pytest.mark.parametrize("head_dim", [96, 128])
 @pytest.mark.parametrize("num_splits", [None, 1])
-def test_decode_over_long_contexts(num_splits: int | None, dtype: torch.dtype) -> None:
+def test_decode_over_long_contexts(
+    num_splits: int | None, head_dim: int, dtype: torch.dtype
+) -> None:
     seq_lens = torch.randint(1, 4096, (16,), generator=torch.Generator().manual_seed(0))
     batch = paged_batch(
         q_lens=[1] * 16,
         seq_lens=seq_lens.tolist(),
         num_heads=NUM_HEADS,
         num_kv_heads=NUM_KV_HEADS,
-        head_dim=128,
+        head_dim=head_dim,
         page_tokens=16,
         dtype=dtype,
         device=CUDA,
@@ -65,10 +69,11 @@ def test_decode_over_long_contexts(num_splits: int | None, dtype: torch.dtype) -
 
 
 @EACH_DTYPE
-def test_copy_rope_of_full_blocks_is_bit_exact(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_copy_rope_of_full_blocks_is_bit_exact(head_dim: int, dtype: torch.dtype) -> None:
     """Eight 256-token blocks of a 32-layer model into 16-token pages, and back."""
     gen = torch.Generator(device=CUDA).manual_seed(0)
-    blocks, layers, block_tokens, page_tokens, head_dim = 8, 32, 256, 16, 128
+    blocks, layers, block_tokens, page_tokens = 8, 32, 256, 16
     staging = torch.randn(
         blocks, layers, 2, NUM_KV_HEADS, block_tokens, head_dim, generator=gen, device=CUDA
     ).to(dtype)

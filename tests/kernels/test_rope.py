@@ -26,7 +26,8 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-# (head_dim, rope_theta, rope_scaling): Llama 2 style, Llama 3.1 style, a small llama3 model.
+# (head_dim, rope_theta, rope_scaling): Llama 2 style, Llama 3.1 style, a small llama3 model,
+# and head_dims that are not powers of two (Phi-2's 80 among them).
 CONFIGS = {
     "default-128": (128, 10000.0, None),
     "llama3-128": (128, 500000.0, LLAMA3),
@@ -35,6 +36,9 @@ CONFIGS = {
         500000.0,
         {**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 4096},
     ),
+    "default-48": (48, 10000.0, None),
+    "default-80": (80, 10000.0, None),
+    "llama3-96": (96, 500000.0, LLAMA3),
 }
 MAX_POSITIONS = 1 << 17
 # Across the llama3 low, medium and high frequency bands and past the original context.
@@ -165,8 +169,9 @@ def test_bad_llama3_parameters_are_refused(scaling: dict[str, object], message: 
 
 
 def test_bad_configs_and_tables_are_refused() -> None:
-    with pytest.raises(ValueError, match="head_dim must be a power of two"):
-        RopeConfig(96)
+    for bad in (97, 0, 264):
+        with pytest.raises(ValueError, match=f"head_dim must be even and in 2..256, got {bad}"):
+            RopeConfig(bad)
     with pytest.raises(ValueError, match="theta must be a positive"):
         RopeConfig(64, theta=0.0)
     with pytest.raises(ValueError, match="cos dtype"):
