@@ -15,6 +15,12 @@
    its KV (``tokens = prompt + output``; all but the last token, which was never fed back),
    then ``request_finished``, then its pages are freed.
 
+``generate(requests, on_token=...)`` calls ``on_token(request, token)`` as each token is
+sampled (a chat streams its reply with it). ``score(request)`` runs one request's admission,
+load and prefill like ``generate`` and returns the logits of the prompt tokens it computed,
+sampling nothing (perplexity over a reused prefix); ``prefill_logits`` does the same from
+scratch without the connector.
+
 The connector sees the pool through ``kv_pool``, ``page_tokens`` and ``rope_tables``; it can
 be set after construction (``engine.connector = ...``) since it usually needs them.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -105,9 +112,18 @@ class Engine:
         return self.model.rope_tables
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request]) -> list[Request]:
+    def generate(
+        self,
+        requests: list[Request],
+        on_token: Callable[[Request, int], None] | None = None,
+    ) -> list[Request]:
         """Run ``requests`` to completion, at most ``max_batch`` at a time, and fill their
         result fields.
+
+        Args:
+            requests: What to run.
+            on_token: Called with each request and token as it is sampled (on this thread,
+                between steps).
 
         Returns:
             ``requests``, in the order given.
@@ -125,8 +141,10 @@ class Engine:
                 while waiting and self.can_admit(waiting[0], len(running)):
                     running.append(self._admit(waiting.popleft()))
                     self._prefill(running[-1])
+                    _emit(on_token, running[-1:])
                     self._retire_finished(running)
                 self._decode(running)
+                _emit(on_token, running)
                 self._retire_finished(running)
         finally:
             for seq in running:  # only after an error: give the pages back
@@ -180,6 +198,16 @@ class Engine:
 
     def _prefill(self, seq: Sequence) -> None:
         request = seq.request
+        hidden = self._prefill_hidden(seq)
+        logits = self.model.compute_logits(hidden[-1:])  # [1, vocab_size]
+        request.output += sample(logits, [request.sampling], [seq.generator])
+        request.ttft_s = time.perf_counter() - seq.admitted_at
+        self.connector.save(request, seq.pages, len(request.prompt))
+
+    def _prefill_hidden(self, seq: Sequence) -> torch.Tensor:
+        """Loads what the connector offered and computes the rest of the prompt: last-layer
+        states of the computed tokens ``[num_computed_tokens, hidden]``."""
+        request = seq.request
         if request.num_loaded_tokens:
             self.connector.start_load(request, seq.pages, request.num_loaded_tokens)
         hidden = self._forward_prompt(seq, request.num_loaded_tokens)
@@ -188,10 +216,7 @@ class Engine:
             request.num_loaded_tokens = 0
             hidden = self._forward_prompt(seq, 0)
         request.num_computed_tokens = len(request.prompt) - request.num_loaded_tokens
-        logits = self.model.compute_logits(hidden[-1:])  # [1, vocab_size]
-        request.output += sample(logits, [request.sampling], [seq.generator])
-        request.ttft_s = time.perf_counter() - seq.admitted_at
-        self.connector.save(request, seq.pages, len(request.prompt))
+        return hidden
 
     def _forward_prompt(self, seq: Sequence, start: int) -> torch.Tensor | None:
         """Last-layer states ``[len(prompt) - start, hidden]`` of the prompt after its first
@@ -234,6 +259,35 @@ class Engine:
             self.allocator.free(seq.pages)
 
     @torch.inference_mode()
+    def score(self, request: Request) -> torch.Tensor:
+        """Logits of the prompt tokens ``request`` computes, through the connector.
+
+        Admission, load and prefill run as in ``generate``; nothing is sampled. The prompt's
+        KV is offered to ``save`` and the request finishes. ``request.num_loaded_tokens`` says
+        where the computed tokens start; ``ttft_s`` is admission to the last logits.
+
+        Returns:
+            ``[len(prompt) - num_loaded_tokens, vocab_size]``: row ``i`` predicts prompt token
+            ``num_loaded_tokens + i + 1`` (the last row, the token after the prompt).
+
+        Raises:
+            ValueError: As ``generate``, or no pages are free now.
+        """
+        self.check_request(request)
+        if not self.can_admit(request, 0):
+            raise ValueError(f"request {request.request_id!r}: no pages free to score it")
+        seq = self._admit(request)
+        try:
+            logits = self.model.compute_logits(self._prefill_hidden(seq))
+            request.ttft_s = time.perf_counter() - seq.admitted_at
+            self.connector.save(request, seq.pages, len(request.prompt))
+            request.finished = True
+            self.connector.request_finished(request)
+        finally:
+            self.allocator.free(seq.pages)
+        return logits
+
+    @torch.inference_mode()
     def prefill_logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits ``[len(tokens), vocab_size]`` of a prompt prefilled from scratch in this
         engine's pool, without the connector (benchmarks and tests).
@@ -251,3 +305,10 @@ class Engine:
             return self.model.compute_logits(hidden)
         finally:
             self.allocator.free(pages)
+
+
+def _emit(on_token: Callable[[Request, int], None] | None, running: SequenceOf[Sequence]) -> None:
+    """Reports each running request's newest token."""
+    if on_token is not None:
+        for seq in running:
+            on_token(seq.request, seq.request.output[-1])

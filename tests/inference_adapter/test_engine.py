@@ -194,6 +194,29 @@ def test_a_failed_layer_load_recomputes_the_whole_prompt(store: PrefixStore) -> 
     ]
 
 
+def test_score_over_a_loaded_prefix_gives_the_logits_of_a_full_prefill(
+    store: PrefixStore,
+) -> None:
+    request, _ = second_turn(store)
+    logits = store.engine.score(request)
+    assert (request.num_loaded_tokens, request.num_computed_tokens) == (24, 10)
+    assert logits.shape == (10, store.engine.config.vocab_size)
+    assert not request.output and request.finished
+    assert store.saves[-1] == ("turn2", 34) and store.events[-1] == ("finished", -1, 0)
+    full = store.engine.prefill_logits(request.prompt)  # from scratch, no connector
+    torch.testing.assert_close(logits, full[24:], rtol=1e-4, atol=1e-4)
+    assert store.engine.allocator.num_free_pages == store.engine.allocator.num_pages
+
+
+def test_on_token_streams_every_token_in_order(model: LlamaModel) -> None:
+    engine = Engine(model, num_pages=32, page_tokens=PAGE_TOKENS)
+    requests = [greedy(f"r{n}", random_prompt(n, seed=n), max_tokens=5) for n in (7, 19, 30)]
+    seen: dict[str, list[int]] = {}
+    engine.generate(requests, on_token=lambda r, t: seen.setdefault(r.request_id, []).append(t))
+    assert seen == {request.request_id: request.output for request in requests}
+    assert all(len(tokens) == 5 for tokens in seen.values())
+
+
 def test_stop_tokens_end_a_request_and_are_kept(model: LlamaModel) -> None:
     engine = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS)
     prompt = random_prompt(13, seed=4)
