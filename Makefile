@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed-stamp
 # to everything it resolves, the extras' requirements included.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install redis-server vllm-venv lint typecheck test check-install serve bench-tiers \
+.PHONY: install redis-server vllm-venv model lint typecheck test check-install serve bench-tiers \
 	bench-vllm gpu-wheels protos clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -44,6 +44,10 @@ redis-server:
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-tools; }
 
+# SmolLM2-135M-Instruct (GGUF, ~94 MiB) in the user cache, for the real-model tests.
+model: install
+	$(VENV)/bin/kvstore model fetch
+
 lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
@@ -58,7 +62,7 @@ typecheck: install
 		ln -s $(CURDIR)/$$d $(TYPECHECK_TREE)/kvstore/$$d; done
 	MYPYPATH=$(TYPECHECK_TREE) $(VENV)/bin/mypy -p kvstore
 
-test: install redis-server vllm-venv lint typecheck
+test: install redis-server vllm-venv model lint typecheck
 	KVSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSTORE_REQUIRE_VLLM=1 $(VENV)/bin/pytest
 
 # What `pip install .` alone gives: a fresh venv (no system packages) where the daemon runs
