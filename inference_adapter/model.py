@@ -8,13 +8,17 @@ K rotated here and K rotated while loading from the store agree bit for bit.
 
 Module names follow Hugging Face's ``LlamaForCausalLM`` (without its ``model.`` prefix), so
 checkpoints load by name. Entry points: ``load_model(folder)`` reads a local checkpoint,
-``LlamaModel.from_config(config, seed=...)`` initialises one at random, deterministically.
+``LlamaModel.from_weights(config, weights)`` builds one from tensors by name (``load_model``
+and the GGUF loader, ``gguf.py``, both end there), ``LlamaModel.from_config(config, seed=...)``
+initialises one at random, deterministically. ``model.config.dtype`` is the weights' dtype.
 The step API the engine drives is ``embed`` -> ``run_layer`` per layer -> ``compute_logits``
 (``forward`` chains all layers); ``prompt_logits`` scores one token list on its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -159,6 +163,7 @@ class LlamaModel(nn.Module):
             dtype: Weight dtype; ``config.dtype`` when None.
             device: Where the model lives.
         """
+        config = dataclasses.replace(config, dtype=dtype or config.dtype)
         with torch.device("meta"):
             model = cls(config, device=device)
         model.to_empty(device="cpu")
@@ -171,7 +176,51 @@ class LlamaModel(nn.Module):
                     param.zero_()
                 else:
                     param.normal_(0.0, INIT_STD, generator=generator)
-        model.to(dtype=dtype or config.dtype, device=device)
+        model.to(dtype=config.dtype, device=device)
+        model.tie_weights()
+        return model.eval().requires_grad_(False)
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: LlamaConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+    ) -> LlamaModel:
+        """A model holding ``weights``, named as its state dict (``embed_tokens.weight``,
+        ``layers.0.self_attn.q_proj.weight``, ...; ``lm_head.weight`` may be left out when the
+        embeddings are tied).
+
+        Args:
+            config: The architecture; the model's config is this one in ``dtype``.
+            weights: Every tensor by name, in any dtype, on any device.
+            dtype: Weight dtype; ``config.dtype`` when None.
+            device: Where the model lives.
+
+        Raises:
+            ValueError: Names missing or unexpected, or a tensor whose shape does not fit.
+        """
+        config = dataclasses.replace(config, dtype=dtype or config.dtype)
+        with torch.device("meta"):
+            model = cls(config, device=device)
+        tensors = {name: t.to(device=device, dtype=config.dtype) for name, t in weights.items()}
+        if config.tie_word_embeddings and "embed_tokens.weight" in tensors:
+            tensors.setdefault("lm_head.weight", tensors["embed_tokens.weight"])
+        expected = model.state_dict()
+        if set(tensors) != set(expected):
+            missing = sorted(set(expected) - set(tensors))
+            unexpected = sorted(set(tensors) - set(expected))
+            raise ValueError(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        misfits = [
+            f"{name} {tuple(tensors[name].shape)} (expected {tuple(param.shape)})"
+            for name, param in expected.items()
+            if tensors[name].shape != param.shape
+        ]
+        if misfits:
+            raise ValueError(f"shapes do not fit the config: {', '.join(misfits[:5])}")
+        model.load_state_dict(tensors, assign=True)
         model.tie_weights()
         return model.eval().requires_grad_(False)
 
@@ -259,19 +308,12 @@ def load_model(
     """
     config = read_config(folder)
     dtype = dtype or config.dtype
-    with torch.device("meta"):
-        model = LlamaModel(config, device=device)
     weights = {
         name.removeprefix("model."): tensor
         for name, tensor in read_weights(folder, dtype=dtype, device=device).items()
         if not name.endswith("rotary_emb.inv_freq")  # old checkpoints stored it
     }
-    if config.tie_word_embeddings:
-        weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight", torch.empty(0)))
-    expected = set(model.state_dict())
-    if set(weights) != expected:
-        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise ValueError(f"weights in {folder}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.load_state_dict(weights, assign=True)
-    model.tie_weights()
-    return model.eval().requires_grad_(False)
+    try:
+        return LlamaModel.from_weights(config, weights, dtype=dtype, device=device)
+    except ValueError as error:
+        raise ValueError(f"weights in {folder}: {error}") from error

@@ -103,6 +103,24 @@ def test_load_casts_to_the_dtype_asked_for(tiny_model_dir: Path) -> None:
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
 
 
+def test_the_config_carries_the_dtype_the_weights_are_in(tiny_model_dir: Path) -> None:
+    assert load_model(tiny_model_dir).config.dtype == torch.float32
+    assert load_model(tiny_model_dir, dtype=torch.bfloat16).config.dtype == torch.bfloat16
+    config = read_config(tiny_model_dir)
+    model = LlamaModel.from_config(config, dtype=torch.bfloat16)
+    assert model.config.dtype == model.dtype == torch.bfloat16
+    assert config.dtype == torch.float32  # the caller's config is left as it was
+
+
+def test_weights_that_do_not_fit_are_named(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    weights = {**model.state_dict(), "norm.weight": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"norm\.weight \(3,\) \(expected \(64,\)\)"):
+        LlamaModel.from_weights(model.config, weights)
+    rebuilt = LlamaModel.from_weights(model.config, model.state_dict(), dtype=torch.float16)
+    assert rebuilt.config.dtype == rebuilt.dtype == torch.float16
+
+
 def test_missing_weights_are_named(tmp_path: Path) -> None:
     folder = save_tiny_model(tmp_path, tiny_config(num_hidden_layers=1))
     config = json.loads((folder / "config.json").read_text())
