@@ -6,6 +6,11 @@ context short enough that the test prompts cross it. ``save_tiny_model(folder, c
 saves a randomly initialised ``LlamaForCausalLM`` there with ``save_pretrained``
 (safetensors) and returns it. The fixtures ``tiny_model_dir`` and ``tiny_llama3_model_dir``
 give such folders under the test's tmp_path.
+
+A real model, loaded once per session: ``smollm2_path`` is SmolLM2-135M-Instruct's GGUF file
+in the user cache (``kvstore model fetch`` or ``make model`` puts it there; without it the
+tests that use it skip, saying so), ``smollm2`` the float32 ``LlamaModel`` built from it and
+``smollm2_tokenizer`` its ``ChatTokenizer``, shared by every test: do not change them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+
+from kvstore.inference_adapter.gguf import load_gguf_model
+from kvstore.inference_adapter.model import LlamaModel
+from kvstore.inference_adapter.models import model_path
+from kvstore.inference_adapter.tokenizer import ChatTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,3 +84,24 @@ def tiny_model_dir(tmp_path: Path) -> Path:
 def tiny_llama3_model_dir(tmp_path: Path) -> Path:
     """A tiny Llama checkpoint folder with llama3 RoPE scaling."""
     return save_tiny_model(tmp_path / "tiny-llama3", tiny_config(rope="llama3"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file; skips, saying how to fetch it, when it is absent."""
+    try:
+        return model_path("smollm2")
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path) -> LlamaModel:
+    """SmolLM2-135M-Instruct as kvstore's float32 ``LlamaModel`` (shared by the session)."""
+    return load_gguf_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: Path) -> ChatTokenizer:
+    """SmolLM2-135M-Instruct's tokenizer and ChatML template, from the same file."""
+    return ChatTokenizer.from_gguf(smollm2_path)
