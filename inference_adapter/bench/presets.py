@@ -15,6 +15,12 @@ whole), a *constrained* SSD tier ``ssd_share * W``, an *ample* one and Redis ``4
 The main kvstore mode runs host + ample SSD with the scheduler-aware policy (LRU where
 this build lacks it); the tier sweep and the policy comparison run the ShareGPT workload
 on the others.
+
+On real conversations (``--dataset sharegpt``: the preset's ``dataset`` shape, and a model
+with the tokenizer's vocabulary) the sweep is the hit-rate-by-tier grid
+(:func:`grid_setups`): a host tier of each of ``host_fractions`` of ``W`` (raised to the
+longest prompt's KV where that is more, as a load needs it all in the arena), host only,
++ an SSD of ``ssd_share * W``, + Redis ``4 * W``, each under LRU and scheduler-aware.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kvstore.inference_adapter.bench.daemon import TierSetup
 from kvstore.inference_adapter.bench.workloads import (
+    DatasetShape,
     DocumentShape,
     QaShape,
     ShareGptShape,
@@ -34,7 +41,16 @@ from kvstore.inference_adapter.weights import LlamaConfig
 from kvstore.kernels import RopeConfig
 from kvstore.policies import EVICTION_POLICIES
 
-__all__ = ["PRESETS", "ModelSize", "Preset", "build_model", "main_setup", "tier_setups"]
+__all__ = [
+    "PRESETS",
+    "GridPoint",
+    "ModelSize",
+    "Preset",
+    "build_model",
+    "grid_setups",
+    "main_setup",
+    "tier_setups",
+]
 
 SCHEDULER_AWARE = "scheduler_aware"
 
@@ -85,12 +101,14 @@ class Preset:
     model: ModelSize = field(default_factory=ModelSize)
     generated: int = 8  # answer tokens the model samples per turn
     sharegpt: ShareGptShape = field(default_factory=ShareGptShape)
+    dataset: DatasetShape = field(default_factory=DatasetShape)  # --dataset sharegpt
     qa: QaShape = field(default_factory=QaShape)
     document: DocumentShape = field(default_factory=DocumentShape)
     host_share: float = 0.125
     ssd_share: float = 0.25  # the constrained SSD of the sweep
     hint_ttl_s: float = 10.0  # how long a prefetch hint protects its blocks
     sweep: bool = True  # run the tier sweep and policy comparison unless told otherwise
+    host_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)  # of W: the grid's host tiers
 
 
 PRESETS = {
@@ -103,6 +121,7 @@ PRESETS = {
     "quick": Preset(
         "quick",
         sharegpt=ShareGptShape(sessions=5, warmup_share=0.2),
+        dataset=DatasetShape(sessions=5, warmup_share=0.2),
         qa=QaShape(users=3, rounds=3, system_tokens=512, history_tokens=1536),
         document=DocumentShape(document_tokens=2048, questions=4),
         sweep=False,  # the host tier (two contexts) would hold this whole workload anyway
@@ -121,6 +140,16 @@ PRESETS = {
             arrival_rate=1.0,
             mean_gap_s=1.0,
         ),
+        dataset=DatasetShape(
+            sessions=4,
+            max_message_tokens=48,
+            max_answer_tokens=64,
+            pool=500,
+            warmup_share=0.0,
+            arrival_rate=1.0,
+            mean_gap_s=1.0,
+        ),
+        host_fractions=(0.25, 0.5),
         qa=QaShape(
             users=2,
             rounds=2,
@@ -204,3 +233,55 @@ def tier_setups(workload: Workload, preset: Preset, *, redis: bool) -> list[Tier
             )
         )
     return setups
+
+
+@dataclass(frozen=True, slots=True)
+class GridPoint:
+    """One run of the hit-rate-by-tier grid: a host tier of ``host_fraction`` of ``W``, a
+    tier stack (``host``, ``+SSD``, ``+Redis``) and its policy, in ``setup``."""
+
+    host_fraction: float  # as asked; the setup's host tier may be raised to one prompt's KV
+    stack: str
+    setup: TierSetup
+
+
+def grid_setups(workload: Workload, preset: Preset, *, redis: bool) -> list[GridPoint]:
+    """The CachedAttention table as runs: for every host fraction of ``W``, host only, host +
+    an SSD of ``ssd_share * W``, and the same + Redis of ``4 * W`` (when ``redis``), each
+    under LRU and the scheduler-aware policy (where this build has it)."""
+    kv = unique_kv_bytes(workload, preset)
+    policies = ["lru"] if _best_policy() == "lru" else ["lru", SCHEDULER_AWARE]
+    small_ssd = max(int(preset.ssd_share * kv), 1)
+    stacks: dict[str, tuple[int | None, int | None]] = {"host": (None, None)}
+    stacks["+SSD"] = (small_ssd, None)
+    if redis:
+        stacks["+Redis"] = (small_ssd, max(4 * kv, 4 << 20))
+    points = []
+    for fraction in preset.host_fractions:
+        host = max(int(fraction * kv), longest_prompt_bytes(workload, preset))
+        for stack, (ssd, redis_bytes) in stacks.items():
+            for policy in policies:
+                hinted = policy != "lru"
+                setup = TierSetup(
+                    f"host {fraction:.0%} of W{'' if stack == 'host' else ' ' + stack}",
+                    host_bytes=host,
+                    ssd_bytes=ssd,
+                    redis_bytes=redis_bytes,
+                    policy=policy,
+                    lookahead=_lookahead(workload, preset, host) if hinted else 0,
+                    hint_ttl_s=preset.hint_ttl_s,
+                )
+                points.append(GridPoint(fraction, stack, setup))
+    return points
+
+
+def longest_prompt_bytes(workload: Workload, preset: Preset) -> int:
+    """The KV of the workload's longest prompt (history + message): a host tier smaller
+    than that fails the load whole, so the grid's host tiers hold at least this."""
+    context: dict[str, int] = {}
+    longest = 0
+    for turn in workload.turns:
+        prompt = context.get(turn.session_id, 0) + len(turn.message)
+        longest = max(longest, prompt)
+        context[turn.session_id] = prompt + preset.generated + len(turn.tail)
+    return longest * preset.model.kv_bytes_per_token()

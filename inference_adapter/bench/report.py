@@ -11,6 +11,9 @@ Definitions (measured turns only: warm-up turns are left out):
 - tier tokens: loaded tokens by the tier that held them at lookup.
 - logical bytes: every turn's whole KV (prompt and answer, full blocks) as if each request
   stored its own; stored bytes: the unique blocks the daemon stored; dedup = their ratio.
+- the grid (real ShareGPT conversations): the hit rate of each tier stack (host, +SSD,
+  +Redis) and policy at host tiers of given fractions of the working set ``W`` (every full
+  block of every session's final context), one column per fraction.
 - long turns: turns with at least ``LONG_HISTORY`` reusable tokens (turns 2 and later with
   that much history, or later questions over the shared document); the goal is their
   kvstore TTFT p50 at most ``TTFT_GOAL`` x recompute's.
@@ -23,10 +26,11 @@ from dataclasses import asdict, dataclass
 
 import numpy
 
+from kvstore.inference_adapter.bench.presets import GridPoint
 from kvstore.inference_adapter.bench.replay import TurnRecord
 from kvstore.inference_adapter.bench.runner import ModeRun
 
-__all__ = ["Goal", "Summary", "goals", "markdown", "summarize"]
+__all__ = ["Goal", "Grid", "Summary", "goals", "markdown", "summarize"]
 
 LONG_HISTORY = 2048
 TTFT_GOAL = 0.2
@@ -84,6 +88,34 @@ class Goal:
     @property
     def verdict(self) -> str:
         return "n/a" if self.value is None else "yes" if self.met else "NO"
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The hit-rate-by-tier grid: its points, their runs' summaries (same order) and ``W``,
+    the working set its capacities are fractions of."""
+
+    points: tuple[GridPoint, ...]
+    summaries: tuple[Summary, ...]
+    working_set_bytes: int
+
+    def cells(self) -> list[tuple[GridPoint, Summary]]:
+        return list(zip(self.points, self.summaries, strict=True))
+
+    def as_json(self) -> list[dict[str, object]]:
+        return [
+            {
+                "host_fraction": point.host_fraction,
+                "host_bytes": point.setup.host_bytes,
+                "working_set_bytes": self.working_set_bytes,
+                "stack": point.stack,
+                "policy": point.setup.policy,
+                "capacities": point.setup.describe(),
+                "hit_rate": summary.hit_rate,
+                "tier_tokens": summary.tier_tokens,
+            }
+            for point, summary in self.cells()
+        ]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -278,6 +310,46 @@ def profile_rows(summaries: Sequence[Summary]) -> list[str]:
     return table(header, rows)
 
 
+def grid_rows(grid: Grid) -> list[str]:
+    """Hit rate per tier stack and policy (rows) and host tier (columns)."""
+    cells = grid.cells()
+    columns = list(dict.fromkeys(point.host_fraction for point, _ in cells))
+    hosts = {point.host_fraction: point.setup.host_bytes for point, _ in cells}
+    w = grid.working_set_bytes
+    header = ["tiers", "policy", *(_host_column(f, hosts[f], w) for f in columns)]
+    rates = {(p.stack, p.setup.policy, p.host_fraction): s.hit_rate for p, s in cells}
+    rows = [
+        [stack, policy, *(_pct(rates.get((stack, policy, f))) for f in columns)]
+        for stack, policy in dict.fromkeys((p.stack, p.setup.policy) for p, _ in cells)
+    ]
+    return table(header, rows)
+
+
+def _host_column(fraction: float, host_bytes: int, working_set: int) -> str:
+    """``host 25% of working set (N MiB)``; a tier raised to hold the longest prompt says
+    what it holds."""
+    column = f"host {fraction:.0%} of working set ({_mib(host_bytes)} MiB)"
+    if host_bytes > fraction * working_set + 1:
+        column = f"host {fraction:.0%} of working set, raised to {host_bytes / working_set:.0%}"
+        column += f" ({_mib(host_bytes)} MiB: the longest prompt)"
+    return column
+
+
+def grid_title(grid: Grid) -> str:
+    """What the grid's tiers hold, in words."""
+    w = grid.working_set_bytes
+    ssd = next((p.setup.ssd_bytes for p in grid.points if p.setup.ssd_bytes), None)
+    redis = next((p.setup.redis_bytes for p in grid.points if p.setup.redis_bytes), None)
+    parts = [f"working set W = {_mib(w)} MiB (every full block of every session's final context)"]
+    if ssd:
+        parts.append(f"+SSD: an SSD tier of {ssd / w:.0%} of W ({_mib(ssd)} MiB)")
+    if redis:
+        parts.append(
+            f"+Redis: that SSD and a Redis tier of {redis / w:.0%} of W ({_mib(redis)} MiB)"
+        )
+    return "Hit rate by tier (sharegpt; " + "; ".join(parts) + "):"
+
+
 def goal_rows(found: Sequence[Goal]) -> list[str]:
     header = ("goal", "measured", "target", "met")
     rows = [
@@ -293,6 +365,7 @@ def markdown(
     modes: Sequence[Summary],
     sweep: Sequence[Summary],
     found: Sequence[Goal],
+    grid: Grid | None = None,
 ) -> str:
     """Every table of a run, with the machine and model lines first."""
     recompute = {s.workload: s for s in modes if s.mode == "recompute"}
@@ -305,6 +378,8 @@ def markdown(
     if sweep:
         lines += ["", "Tier sweep and policy comparison (sharegpt):", ""]
         lines += sweep_rows(sweep, recompute.get("sharegpt"))
+    if grid is not None:
+        lines += ["", grid_title(grid), "", *grid_rows(grid)]
     lines += ["", "Where the kvstore TTFT goes (engine thread, p50 of each part):", ""]
     lines += profile_rows([s for s in [*modes, *sweep] if s.mode != "recompute"])
     lines += ["", "Goals:", "", *goal_rows(found)]
