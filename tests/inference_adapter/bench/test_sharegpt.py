@@ -66,7 +66,7 @@ def test_a_truncated_file_reads_every_whole_conversation_and_drops_the_tail(
 
 def test_a_whole_file_reads_to_its_closing_bracket(tmp_path: Path, chunked: int) -> None:
     path = tmp_path / "whole.json"
-    path.write_text(json.dumps([two_turns("a"), two_turns("b")]))
+    path.write_text(" \n" * 9 + json.dumps([two_turns("a"), two_turns("b")]))
     assert [c.id for c in conversations(path)] == ["a", "b"]
     (tmp_path / "empty.json").write_text("[ ]")
     assert list(conversations(tmp_path / "empty.json")) == []
