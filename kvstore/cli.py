@@ -110,6 +110,11 @@ _DELEGATED = [
         "bench vllm: multi-turn chats through vLLM without and with the kvstore connector",
     ),
     (
+        "bench truncation",
+        "kvstore.inference_adapter.bench.truncation",
+        "bench truncation: perplexity and TTFT past a chat truncation, recompute vs reuse",
+    ),
+    (
         "dataset fetch",
         "kvstore.inference_adapter.bench.sharegpt",
         "dataset fetch: download ShareGPT V3 for `kvstore bench chat --dataset sharegpt`",
