@@ -13,6 +13,17 @@ and the GGUF loader, ``gguf.py``, both end there), ``LlamaModel.from_config(conf
 initialises one at random, deterministically. ``model.config.dtype`` is the weights' dtype.
 The step API the engine drives is ``embed`` -> ``run_layer`` per layer -> ``compute_logits``
 (``forward`` chains all layers); ``prompt_logits`` scores one token list on its own.
+
+Batch invariance: a token's KV must not depend on how many tokens were computed with it
+(a decode step computes one, a prefill hundreds), or a prefix hit on KV saved from decode
+would differ from recomputing it. On the CPU, torch's 16-bit matrix products pick kernels by
+the number of rows, which round differently (measured for bfloat16: 1 row vs 46 or more), and
+the attention reference's float32 sums change with the number of queries and masked keys. So
+in bfloat16 and float16 on the CPU every projection (``Linear``) and the attention reference
+accumulate in float64, where the order of the sums no longer shows in the 16-bit result, and
+a token's KV is the same bits however tokens are batched (``Linear`` keeps a float64 copy of
+its weight: 8 bytes per parameter more). float32 keeps float32 sums, whose row-count effects
+are an ulp (relative 1e-7). On CUDA the Triton kernels and cuBLAS are not batch-invariant.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from kvstore.inference_adapter.pages import AttentionBatch, pages_for, prefill_b
 from kvstore.inference_adapter.weights import LlamaConfig, read_config, read_weights
 from kvstore.kernels import (
     RopeTables,
+    accumulates_in_float64,
     apply_rope,
     decode_attention,
     new_kv_pool,
@@ -39,6 +51,23 @@ from kvstore.kernels import (
 
 INIT_STD = 0.02  # Hugging Face's default initializer_range
 SCRATCH_PAGE_TOKENS = 16  # page size of the throwaway pool behind ``prompt_logits``
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose 16-bit CPU results do not depend on the batch (module docstring)."""
+
+    _weight64: torch.Tensor | None = None
+    _weight64_of: tuple[int, int] = (0, -1)  # (data_ptr, version) it was copied from
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not accumulates_in_float64(x):
+            return super().forward(x)
+        source = (self.weight.data_ptr(), self.weight._version)
+        if self._weight64 is None or self._weight64_of != source:
+            self._weight64, self._weight64_of = self.weight.detach().double(), source
+        bias = None if self.bias is None else self.bias.double()
+        out: torch.Tensor = F.linear(x.double(), self._weight64, bias).to(x.dtype)
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -63,10 +92,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
 
     def forward(
         self, x: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor, rope: RopeTables
@@ -103,9 +132,9 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inner, bias=bias)
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -140,7 +169,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         # [max_position_embeddings, head_dim // 2] float32 cos and sin
         self.rope_tables = rope_tables(config.rope, config.max_position_embeddings, device)

@@ -7,6 +7,7 @@ store's staging buffers and the pool), ``dispatch`` (Triton on CUDA, torch elsew
 ``KVSTORE_KERNELS`` says). This package imports only torch and triton.
 """
 
+from kvstore.kernels.attention import accumulates_in_float64
 from kvstore.kernels.dispatch import (
     KERNELS_ENV,
     Backend,
@@ -34,6 +35,7 @@ __all__ = [
     "RopeConfig",
     "RopeTables",
     "UnsupportedRopeScalingError",
+    "accumulates_in_float64",
     "apply_rope",
     "decode_attention",
     "gather_tokens",

@@ -364,7 +364,9 @@ def prefill_attention_reference(
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense causal GQA attention of the last ``len(q)`` positions, in float32.
+    """Dense causal GQA attention of the last ``len(q)`` positions, in float32 (float64 for
+    16-bit tensors on the CPU: then a query's result does not depend on how many queries or
+    masked keys share the call, so a decode step and a prefill round alike).
 
     Args:
         q: ``[num_queries, num_heads, head_dim]``, the queries of positions
@@ -379,10 +381,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     # Query heads grouped under their KV head: [num_queries, num_kv_heads, group, head_dim].
-    grouped = q.float().view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("qhgd,khd->hgqk", grouped, k.float()) * scale
+    wide = torch.float64 if accumulates_in_float64(q) else torch.float32
+    grouped = q.to(wide).view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("qhgd,khd->hgqk", grouped, k.to(wide)) * scale
     visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device)
     visible = visible.tril(num_keys - num_queries)
     probs = scores.masked_fill(~visible, -math.inf).softmax(dim=-1)
-    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.to(wide))
     return out.reshape(num_queries, num_heads, head_dim).to(q.dtype)
+
+
+def accumulates_in_float64(x: torch.Tensor) -> bool:
+    """Whether math on ``x`` accumulates in float64 to be batch-invariant: 16-bit tensors on
+    the CPU, whose torch kernels round by batch shape (see ``attend``; the model's
+    projections follow the same rule)."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
