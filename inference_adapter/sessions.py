@@ -28,7 +28,7 @@ import hashlib
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.client import KeySalt, Namespace, block_keys
@@ -222,8 +222,9 @@ class ChatServer:
     def num_queued(self) -> int:
         return len(self._queue)
 
-    def run_next(self) -> Turn:
-        """Runs the oldest queued turn (after hinting the ones behind it) and returns it.
+    def run_next(self, on_token: Callable[[Request, int], None] | None = None) -> Turn:
+        """Runs the oldest queued turn (after hinting the ones behind it) and returns it;
+        ``on_token`` sees its reply's tokens as they are sampled (``Engine.generate``).
 
         Raises:
             IndexError: Nothing is queued.
@@ -239,19 +240,25 @@ class ChatServer:
             reuse=plan.reuse,
             salt=plan.salt,
         )
-        self.engine.generate([request])
+        self.engine.generate([request], on_token)
         session.context = [*plan.prompt, *request.output]
         session.salt = plan.salt
         turn = Turn(message, request, plan.dropped_tokens)
         session.turns.append(turn)
         return turn
 
-    def chat(self, session_id: str, message: Sequence[int]) -> Turn:
-        """Queues a turn, runs every queued turn up to it, and returns it."""
+    def chat(
+        self,
+        session_id: str,
+        message: Sequence[int],
+        on_token: Callable[[Request, int], None] | None = None,
+    ) -> Turn:
+        """Queues a turn, runs every queued turn up to it, and returns it (``on_token``: as
+        ``run_next``, for this turn only)."""
         self.submit(session_id, message)
         for _ in range(len(self._queue) - 1):
             self.run_next()
-        return self.run_next()
+        return self.run_next(on_token)
 
     def plan(self, session: ChatSession, message: Sequence[int]) -> TurnPlan:
         """The prompt ``message`` would get in ``session`` now (see :func:`plan_turn`)."""
