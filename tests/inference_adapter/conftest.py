@@ -25,6 +25,7 @@ from kvstore.inference_adapter.gguf import load_gguf_model
 from kvstore.inference_adapter.model import LlamaModel
 from kvstore.inference_adapter.models import model_path
 from kvstore.inference_adapter.tokenizer import ChatTokenizer
+from tests.support.files import fetched
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,10 +90,7 @@ def tiny_llama3_model_dir(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct's GGUF file; skips, saying how to fetch it, when it is absent."""
-    try:
-        return model_path("smollm2")
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+    return fetched(lambda: model_path("smollm2"))
 
 
 @pytest.fixture(scope="session")

@@ -124,17 +124,13 @@ def test_the_sample_is_seeded_uniform_and_in_file_order(tmp_path: Path) -> None:
     assert len(sample_conversations(path, 500, seed=0)) == 200
 
 
-def test_the_real_file_reads_to_its_cut_off_tail() -> None:
-    try:
-        path = dataset_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    read = list(conversations(path))
+def test_the_real_file_reads_to_its_cut_off_tail(sharegpt_file: Path) -> None:
+    read = list(conversations(sharegpt_file))
     assert len(read) > 10_000
     assert all(c.exchanges and all(e.human.strip() and e.gpt.strip() for e in c.exchanges)
                for c in read)  # fmt: skip
-    assert [c.id for c in sample_conversations(path, 5, seed=0, pool=1000)] == [
-        c.id for c in sample_conversations(path, 5, seed=0, pool=1000)
+    assert [c.id for c in sample_conversations(sharegpt_file, 5, seed=0, pool=1000)] == [
+        c.id for c in sample_conversations(sharegpt_file, 5, seed=0, pool=1000)
     ]
 
 
