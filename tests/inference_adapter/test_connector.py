@@ -27,6 +27,7 @@ from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.model import LlamaModel, load_model
 from kvstore.inference_adapter.sessions import ChatServer
+from kvstore.inference_adapter.weights import LlamaConfig
 from tests.inference_adapter.conftest import hf_model, tiny_config
 from tests.support.daemon import Daemon, running_daemon
 
@@ -181,14 +182,25 @@ class PoolCopies(StoreConnector):
         super().request_finished(request)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"),
+    [(torch.float32, 16), (torch.float16, 16), (torch.bfloat16, 16), (torch.bfloat16, 80)],
+)
 def test_a_prefix_hit_puts_back_the_bits_the_engine_computed(
-    models: TinyModels, client: KVStoreClient, dtype: torch.dtype
+    models: TinyModels, client: KVStoreClient, dtype: torch.dtype, head_dim: int
 ) -> None:
-    model = copy.deepcopy(models.engine).to(dtype)
+    if head_dim == models.engine.config.head_dim:
+        model = copy.deepcopy(models.engine).to(dtype)
+    else:
+        config = LlamaConfig.from_dict(tiny_config(head_dim=head_dim))
+        model = LlamaModel.from_config(config, seed=2, dtype=dtype)
     engine = Engine(model, num_pages=64, page_tokens=PAGE)
     namespace = namespace_for(
-        model.config, model_name="tiny", block_tokens=PAGE, dtype=dtype, tenant=f"bits-{dtype}"
+        model.config,
+        model_name="tiny",
+        block_tokens=PAGE,
+        dtype=dtype,
+        tenant=f"bits-{dtype}-{head_dim}",
     )
     connector = PoolCopies(
         client, namespace, kv_pool=engine.kv_pool, page_tokens=PAGE, rope_tables=model.rope_tables

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.inference_adapter import LlamaConfig, LlamaModel, load_model, read_config
+from kvstore.inference_adapter import (
+    Engine,
+    LlamaConfig,
+    LlamaModel,
+    Request,
+    SamplingParams,
+    load_model,
+    read_config,
+)
 from kvstore.inference_adapter.model import SCRATCH_PAGE_TOKENS
 from kvstore.inference_adapter.pages import decode_batch, pages_for, prefill_batch
 from kvstore.inference_adapter.weights import weight_files
@@ -180,3 +188,23 @@ def test_16_bit_kv_is_the_same_bits_however_tokens_are_batched(dtype: torch.dtyp
         assert torch.equal(
             kv_of(model, tokens, prefill=split).view(torch.int16), prefilled.view(torch.int16)
         )
+
+
+@pytest.mark.parametrize("head_dim", [48, 80, 96])
+def test_head_dims_that_are_no_power_of_two_match_transformers(
+    tmp_path: Path, head_dim: int
+) -> None:
+    reference = hf_model(tiny_config(head_dim=head_dim))
+    reference.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.config.head_dim == head_dim
+    expected = hf_logits(reference, PROMPT)
+    torch.testing.assert_close(model.prompt_logits(PROMPT), expected, atol=ATOL, rtol=0)
+    # A cached prefix (prefill) and a decode step go through the same kernels.
+    request = Request("r", PROMPT.tolist(), SamplingParams(max_tokens=4))
+    Engine(model, num_pages=8, page_tokens=16).generate([request])
+    ids = torch.tensor([PROMPT.tolist()])
+    hf = reference.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0
+    )
+    assert request.output == hf[0, len(PROMPT) :].tolist()
