@@ -42,9 +42,12 @@ import torch
 from kvstore.client import KVStoreClient, KVStoreError
 from kvstore.inference_adapter.connector import StoreConnector, namespace_for
 from kvstore.inference_adapter.engine import Engine
+from kvstore.inference_adapter.gguf import load_gguf_model
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.model import LlamaModel
+from kvstore.inference_adapter.models import SMOLLM2, model_path
 from kvstore.inference_adapter.sessions import ByteTokenizer, ChatServer, Turn
+from kvstore.inference_adapter.tokenizer import ChatTokenizer
 from kvstore.inference_adapter.weights import LlamaConfig
 from kvstore.kernels import RopeConfig
 
@@ -277,10 +280,6 @@ def _typed(stream: TextIO) -> Iterator[str]:
 
 
 def _gguf_model(args: argparse.Namespace) -> ChatModel:
-    from kvstore.inference_adapter.gguf import load_gguf_model
-    from kvstore.inference_adapter.models import SMOLLM2, model_path
-    from kvstore.inference_adapter.tokenizer import ChatTokenizer
-
     path = args.model or model_path(SMOLLM2.name)
     model = load_gguf_model(path, dtype=DTYPES[args.dtype])
     tokenizer = ChatTokenizer.from_gguf(path)

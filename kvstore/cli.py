@@ -6,7 +6,7 @@
   ``KVSTORE_HOST__CAPACITY`` names a size.
 - ``kvstore stats [--address ADDR | --config FILE] [--token T] [--json]`` prints tier
   usage, hit rates and leases in flight (``--token`` defaults to ``$KVSTORE_TOKEN``).
-- ``kvstore chat [...]`` runs the scripted multi-turn chat demo
+- ``kvstore chat [...]`` runs the multi-turn chat (SmolLM2)
   (:mod:`kvstore.inference_adapter.demo`), ``kvstore bench chat [...]`` the end-to-end
   benchmark (:mod:`kvstore.inference_adapter.bench`) and ``kvstore bench vllm [...]`` the
   same through vLLM (:mod:`kvstore.inference_adapter.bench.vllm`); their modules, and
@@ -33,7 +33,8 @@ from kvstore.protos.kvstore.v1 import kvstore_pb2
 __all__ = ["format_stats", "main"]
 
 log = logging.getLogger("kvstore")
-ENGINE_MODULES = ("torch", "triton")  # what the engine-side commands need beyond the daemon
+# What the engine-side commands need beyond the daemon (the ``engine`` extra).
+ENGINE_MODULES = ("torch", "triton", "gguf", "tokenizers", "jinja2")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,7 +98,7 @@ _DELEGATED = [
     (
         "chat",
         "kvstore.inference_adapter.demo",
-        "scripted multi-turn chat on a small random model: TTFT with the store vs recompute",
+        "multi-turn chat with SmolLM2 (or --random): TTFT with the store vs recompute",
     ),
     (
         "bench chat",
