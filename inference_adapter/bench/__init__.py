@@ -6,6 +6,11 @@ kvstore mode (a daemon it starts per store configuration, :mod:`.daemon`), turn 
 the same run (:mod:`.runner`, :mod:`.replay`), and fails when the two modes generate
 different tokens. :mod:`.report` turns the per-turn records into tables and JSON,
 :mod:`.plots` into PNGs; :mod:`.presets` sizes everything; :mod:`.chat` is the command.
+:mod:`.sharegpt` reads real ShareGPT V3 conversations for ``--dataset sharegpt``.
+
+The package's other benches: :mod:`.truncation` (``kvstore bench truncation``: perplexity of
+real replies past a chat truncation, SmolLM2, recompute vs reuse vs naive reuse) and
+:mod:`.vllm` (``kvstore bench vllm``, with the chat driver :mod:`.vllm_chat`).
 
 Method, and what it leaves out:
 
