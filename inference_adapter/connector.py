@@ -15,6 +15,9 @@ Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfac
    tier they were found in.
 3. ``wait_for_layer_load``: layer ``i`` is in the pool (``True``), or the load failed or
    timed out (``False``, and the loader no longer touches the pool: the engine recomputes).
+   When the daemon gave only a leading part of the blocks (evicted since the lookup), layer
+   0's answer lowers ``request.num_loaded_tokens`` to that part (``short_loads``,
+   ``missing_blocks``) and the engine computes the rest.
 4. ``save``: the full blocks of ``tokens[:num_tokens]`` the store does not hold yet (neither
    found at lookup nor saved earlier by this request) are copied out of the pool, keyed
    under the request's ``salt`` from its first approximate block on, and offered to the
@@ -110,6 +113,8 @@ class ConnectorStats:
     lookup_errors: int  # lookups that failed (daemon unreachable, ...): answered 0
     loaded_blocks: int  # blocks whose load started
     failed_loads: int  # loads that failed or timed out (the engine recomputed)
+    short_loads: int  # loads the daemon gave only a leading part of (the rest computed)
+    missing_blocks: int  # blocks those loads lacked
     queued_saves: int  # blocks offered to the save queue and taken
     dropped_saves: int  # blocks not saved because the queue was full
     saves: SaveCounts  # what the daemon answered for the blocks put so far
@@ -235,6 +240,15 @@ class StoreConnector:
         if plan is None or plan.load is None:
             return True
         if plan.load.wait(layer):
+            loaded = plan.load.num_blocks
+            if loaded * self.block_tokens < request.num_loaded_tokens:
+                self._count("short_loads")
+                self._count(
+                    "missing_blocks", request.num_loaded_tokens // self.block_tokens - loaded
+                )
+                request.num_loaded_tokens = loaded * self.block_tokens
+                request.loaded_from = dict(Counter(plan.tiers[:loaded]))
+                plan.known.difference_update(plan.load_keys[loaded:])  # gone: save them again
             return True
         if request.loaded_from:
             self._count("failed_loads")
@@ -323,6 +337,8 @@ class StoreConnector:
             lookup_errors=c["lookup_errors"],
             loaded_blocks=c["loaded_blocks"],
             failed_loads=c["failed_loads"],
+            short_loads=c["short_loads"],
+            missing_blocks=c["missing_blocks"],
             queued_saves=c["queued_saves"],
             dropped_saves=c["dropped_saves"],
             saves=self._saves.counts,

@@ -219,17 +219,32 @@ class Engine:
         return hidden
 
     def _forward_prompt(self, seq: Sequence, start: int) -> torch.Tensor | None:
-        """Last-layer states ``[len(prompt) - start, hidden]`` of the prompt after its first
-        ``start`` tokens (loaded by the connector); None when a layer's load failed."""
+        """Last-layer states of the prompt after its first ``start`` tokens (loaded by the
+        connector, which may lower ``request.num_loaded_tokens`` when layer 0 is in: the
+        daemon gave only a leading part); None when a layer's load failed."""
         request, model = seq.request, self.model
+        if start:
+            if not self.connector.wait_for_layer_load(request, 0):
+                return None
+            start = self._loaded_prefix(request, start)
         new_tokens = request.prompt[start:]
         batch = prefill_batch(seq.pages, start, len(new_tokens), self.page_tokens, model.device)
         hidden = model.embed(torch.tensor(new_tokens, device=model.device))
         for layer in range(self.config.num_hidden_layers):
-            if start and not self.connector.wait_for_layer_load(request, layer):
+            if start and layer and not self.connector.wait_for_layer_load(request, layer):
                 return None
             hidden = model.run_layer(layer, hidden, batch, self.kv_pool)
         return hidden
+
+    def _loaded_prefix(self, request: Request, offered: int) -> int:
+        """The tokens loaded after layer 0's wait: ``offered``, or a whole-page part of it."""
+        loaded = request.num_loaded_tokens
+        if not 0 < loaded <= offered or loaded % self.page_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: the connector lowered a load of {offered} "
+                f"tokens to {loaded} (1..{offered} in whole pages of {self.page_tokens} allowed)"
+            )
+        return loaded
 
     def _decode(self, running: SequenceOf[Sequence]) -> None:
         if not running:

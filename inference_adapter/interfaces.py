@@ -10,13 +10,15 @@ connector at fixed points, in this order, per request (the vLLM KV-connector sha
 2. the engine allocates pool pages for ``prompt + max_tokens - 1`` tokens; at the start of
    the prefill, and only when step 1 said more than 0, ``start_load(request, pages,
    num_tokens)`` begins filling pages ``pages[:num_tokens // page_tokens]`` in the background
-   (K rotated to positions ``0..num_tokens-1``);
+   (each block's KV as computed at positions ``0..num_tokens-1``);
 3. prefill, per layer ``i``: ``wait_for_layer_load(request, i)`` blocks until layer ``i`` of
    the loaded prefix is in the pool, then the engine computes layer ``i`` for the new tokens
-   while the connector loads layer ``i + 1``. A ``False`` answer means the load failed or
-   timed out: the engine recomputes the whole prompt into the same pages at once, so after
-   answering ``False`` the connector must never write those pages again (never a wrong
-   output). Decode steps never call the connector's load methods;
+   while the connector loads layer ``i + 1``. Layer 0's wait may lower
+   ``request.num_loaded_tokens`` to a whole-page part of what was offered (the store had
+   evicted the rest since the lookup): the engine then computes from there. A ``False``
+   answer means the load failed or timed out: the engine recomputes the whole prompt into
+   the same pages at once, so after answering ``False`` the connector must never write those
+   pages again (never a wrong output). Decode steps never call the connector's load methods;
 4. after prefill and after the request ends: ``save(request, pages, num_tokens)`` queues the
    full blocks of ``(prompt + output)[:num_tokens]`` that the store lacks, ``num_tokens``
    being how many leading tokens have KV in the pool (at the end ``len(prompt) +

@@ -14,7 +14,10 @@ pages the engine reserved, one layer at a time, on a worker thread, while the en
 3. ``wait(i)`` returns once layer ``i`` is in the pool; ``False`` when the load failed or its
    deadline passed. Then :meth:`LayerLoad.cancel` has already run: nothing touches the pool
    any more (a layer copy holds ``_pool_lock``; cancelling takes it), so the engine may
-   recompute into the same pages.
+   recompute into the same pages. When the daemon hands back only a leading part of the
+   blocks (the rest was evicted since the lookup), that part is loaded and ``num_blocks``
+   says how much from the moment layer 0 is ready; the engine computes the rest. None at
+   all is a failure.
 
 CUDA: all of a load's device work (the arena -> staging copies and the scatter) runs on a side
 stream that first waits for the engine's stream; each layer records a CUDA event that the
@@ -144,6 +147,7 @@ class LayerLoad:
         self.deadline = deadline
         self.ready = [threading.Event() for _ in range(pool.num_layers)]
         self.failed = False
+        self.num_blocks = len(self._keys)  # loaded (a prefix when the daemon gave fewer)
         self._cancelled = False
         self._pool_lock = threading.Lock()
         self._stream: torch.cuda.Stream | None = None
@@ -201,7 +205,7 @@ class LayerLoad:
     def _run_from_arena(self, staging: torch.Tensor) -> None:
         layer_bytes = self._namespace.model.layout().layer_bytes
         with self._client.view_tensors(self._namespace, self._keys) as views:
-            self._check_count(len(views))
+            self._found(len(views))
             self._fetched()
             for layer in range(self._pool.num_layers):
                 start = layer * layer_bytes
@@ -217,7 +221,7 @@ class LayerLoad:
 
     def _run_from_stream(self, staging: torch.Tensor) -> None:
         got = self._client.get(self._namespace, self._keys, out=list(staging))
-        self._check_count(len(got))
+        self._found(len(got))
         self._fetched()
         for layer in range(self._pool.num_layers):
             if not self._write_layer(staging, layer):
@@ -237,20 +241,27 @@ class LayerLoad:
         return True
 
     def _load(self, staging: torch.Tensor, layer: int) -> None:
-        blocks = staging[:, layer : layer + 1]  # [n, 1, 2, kv_heads, block_tokens, head_dim]
+        n = self.num_blocks
+        blocks = staging[:n, layer : layer + 1]  # [n, 1, 2, kv_heads, block_tokens, head_dim]
         if self._moves is not None:
-            stored_at, positions = (p[:, None, :] for p in self._moves)  # over heads
+            stored_at, positions = (p[:n, None, :] for p in self._moves)  # over heads
             blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
-        load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], self._slots)
+        load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], self._slots[:n])
 
     def _fetched(self) -> None:
         callback, self._on_fetched = self._on_fetched, None
         if callback is not None:
             callback()
 
-    def _check_count(self, found: int) -> None:
+    def _found(self, found: int) -> None:
+        """The daemon gave the first ``found`` blocks: load those (none is a failure)."""
+        if not found:
+            raise LookupError(f"the daemon gave none of {len(self._keys)} blocks (evicted?)")
         if found < len(self._keys):
-            raise LookupError(f"the daemon gave {found} of {len(self._keys)} blocks (evicted?)")
+            log.info(
+                "the daemon gave %d of %d blocks (evicted?); loading those", found, len(self._keys)
+            )
+        self.num_blocks = found
 
     def _fail(self) -> None:
         self.failed = True

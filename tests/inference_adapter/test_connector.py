@@ -362,6 +362,40 @@ def test_a_full_save_queue_drops_saves_and_stores_nothing_wrong(
     connector.close()
 
 
+def test_blocks_evicted_after_the_lookup_cost_only_their_own_recompute(
+    models: TinyModels, any_plane_client: KVStoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon gives a leading part of what the lookup promised: it is loaded, the engine
+    computes the rest, and the missing blocks are saved again."""
+    client = any_plane_client
+    engine, connector = store_engine(models.engine, client, f"short-{client.data_plane}")
+    server = ChatServer(engine, connector=connector, sampling=SAMPLING)
+    server.chat("dave", MESSAGES[0] + MESSAGES[1])  # 58 tokens: 3 full blocks
+    assert connector.wait_for_saves(10.0)
+    lookup = client.lookup_tiers
+
+    def lookup_then_evict(namespace: Namespace, keys: Any) -> Any:
+        found = lookup(namespace, keys)
+        assert found.num_blocks >= 3
+        assert client.delete(namespace, list(keys[1:])) >= 2  # all but the first block go
+        return found
+
+    monkeypatch.setattr(client, "lookup_tiers", lookup_then_evict)
+    second = server.chat("dave", MESSAGES[2])
+    monkeypatch.undo()
+    request = second.request
+    assert (request.num_loaded_tokens, request.loaded_from) == (PAGE, {"host": 1})
+    assert request.num_computed_tokens == len(request.prompt) - PAGE
+    assert second.reply == recompute(models.engine, request.prompt).output
+    stats = connector.stats()
+    assert (stats.short_loads, stats.failed_loads) == (1, 0)
+    assert stats.missing_blocks == stats.loaded_blocks - 1 >= 2  # planned, less the one loaded
+    assert connector.wait_for_saves(10.0)  # the recomputed blocks are stored again
+    keys = block_keys(request.prompt, connector.namespace)
+    assert client.lookup(connector.namespace, keys) == len(keys)
+    connector.close()
+
+
 def test_a_stopped_daemon_means_recompute_not_errors(
     tmp_path: Path, models: TinyModels, monkeypatch: pytest.MonkeyPatch
 ) -> None:

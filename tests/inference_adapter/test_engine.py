@@ -194,6 +194,34 @@ def test_a_failed_layer_load_recomputes_the_whole_prompt(store: PrefixStore) -> 
     ]
 
 
+@pytest.mark.parametrize(("lowered_to", "error"), [(8, None), (12, "whole pages"), (32, "1..24")])
+def test_a_load_lowered_at_layer_0_is_computed_from_there(
+    store: PrefixStore, lowered_to: int, error: str | None
+) -> None:
+    request, expected = second_turn(store)
+    wait = store.wait_for_layer_load
+
+    def lowering_wait(req: Request, layer: int) -> bool:
+        if layer == 0:
+            req.num_loaded_tokens = lowered_to  # the store had only the first page left
+        return wait(req, layer)
+
+    store.wait_for_layer_load = lowering_wait  # type: ignore[method-assign]
+    if error is not None:
+        with pytest.raises(ValueError, match=error):
+            store.engine.generate([request])
+        return
+    store.engine.generate([request])
+    assert request.output == expected
+    assert (request.num_loaded_tokens, request.num_computed_tokens) == (8, 26)
+    assert store.events[:4] == [
+        ("wait", 0, 0),
+        ("compute", 0, 26),
+        ("wait", 1, 0),
+        ("compute", 1, 26),
+    ]
+
+
 def test_score_over_a_loaded_prefix_gives_the_logits_of_a_full_prefill(
     store: PrefixStore,
 ) -> None:
