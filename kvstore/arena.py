@@ -252,7 +252,7 @@ class ArenaPlane:
             return PutStatus.CHECKSUM_MISMATCH
         self._host.commit(node.id)
         node.checksum = found
-        node.tiers.add(self._top.name)
+        self._placement.index.add_copy(node, self._top.name)
         self._placement.policy.inserted(self._top.name, node.id)
         node.busy += 1
         try:

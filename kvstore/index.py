@@ -20,13 +20,16 @@ Primitives:
 - ``find(key, namespace)``, ``get(block_id)``, ``children_of(block_id)``, ``remove(block_id)``
   (a parent outlives its children: only nodes without children may be removed),
   ``subtree(block_id)`` for deletes;
-- per node: the tiers holding it, size, checksum, last access, hit count and lease count.
+- per node: the tiers holding it, size, checksum, last access, hit count and lease count;
+  a tier is added to or taken from a node with ``add_copy`` / ``drop_copy``, which keep the
+  per-tier block counts (``blocks_in(tier)``, O(1): stats never walks the index).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -91,6 +94,7 @@ class RadixIndex:
         self._nodes: dict[bytes, Node] = {}
         self._spaces: dict[bytes, dict[bytes, Node]] = {}  # namespace -> key -> node
         self._children: dict[bytes, set[bytes]] = {}  # parent id -> child ids
+        self._tier_blocks = Counter[str]()  # tier -> indexed nodes it holds a copy of
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -147,6 +151,24 @@ class RadixIndex:
             current = None if node is None else node.parent
         return False
 
+    def add_copy(self, node: Node, tier: str) -> None:
+        """``tier`` now holds a copy of ``node``."""
+        if tier not in node.tiers:
+            node.tiers.add(tier)
+            if self._nodes.get(node.id) is node:
+                self._tier_blocks[tier] += 1
+
+    def drop_copy(self, node: Node, tier: str) -> None:
+        """``tier`` no longer holds a copy of ``node``."""
+        if tier in node.tiers:
+            node.tiers.discard(tier)
+            if self._nodes.get(node.id) is node:
+                self._tier_blocks[tier] -= 1
+
+    def blocks_in(self, tier: str) -> int:
+        """Indexed blocks ``tier`` holds a copy of."""
+        return self._tier_blocks[tier]
+
     def commit(self, block: bytes) -> Node:
         node = self._nodes[block]
         node.committed = True
@@ -157,6 +179,7 @@ class RadixIndex:
         node = self._nodes.pop(block, None)
         if node is None:
             return
+        self._tier_blocks.subtract(node.tiers)
         space = self._spaces[node.namespace]
         del space[node.key]
         if not space:

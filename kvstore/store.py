@@ -543,13 +543,12 @@ class BlockStore:
                     break
 
     def stats(self) -> StoreStats:
-        blocks = Counter(name for node in self.index.nodes() for name in node.tiers)
         tiers = tuple(
             TierStats(
                 name=s.name,
                 usage_bytes=s.tier.usage(),
                 capacity_bytes=s.tier.capacity(),
-                blocks=blocks[s.name],
+                blocks=self.index.blocks_in(s.name),
                 hits=self._counts[f"hits.{s.name}"],
                 evictions=self._counts[f"evictions.{s.name}"],
                 healthy=s.tier.healthy(),

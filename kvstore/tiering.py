@@ -162,7 +162,7 @@ class Placement:
                     return False
         finally:
             node.busy -= 1
-        node.tiers.add(slot.name)
+        self.index.add_copy(node, slot.name)
         self.policy.inserted(slot.name, node.id)
         return True
 
@@ -280,7 +280,7 @@ class Placement:
         await slot.tier.delete(node.id)
 
     def lost_copy(self, slot: StoreTier, node: Node) -> None:
-        node.tiers.discard(slot.name)
+        self.index.drop_copy(node, slot.name)
         self.policy.removed(slot.name, node.id)
 
     # -- promotion --------------------------------------------------------------------------
@@ -350,7 +350,7 @@ class Placement:
         meta = BlockMeta(header.namespace, header.num_tokens, header.layout)
         node = self.index.begin(header.key, header.parent, meta, header.layout.payload_bytes)
         node.checksum = header.checksum
-        node.tiers.add(slot.name)
+        self.index.add_copy(node, slot.name)
         self.policy.inserted(slot.name, node.id)
         return self.index.commit(node.id)
 
@@ -473,7 +473,7 @@ class Placement:
                     dropped += 1
                     continue
             else:
-                node.tiers.add(slot.name)
+                self.index.add_copy(node, slot.name)
                 self.policy.inserted(slot.name, block)
             adopted += 1
         self.counts["corrupt_blocks"] += dropped

@@ -12,6 +12,7 @@ import asyncio
 import os
 import random
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,11 @@ async def run_store_stress(
         after = store.stats()
         if after.active_leases:
             problems.append(f"{after.active_leases} leases active after the final scan")
+        # The per-tier counts stats reads are kept incrementally: they must equal a recount.
+        copies = Counter(tier for node in store.index.nodes() for tier in node.tiers)
+        counted = {tier.name: tier.blocks for tier in after.tiers}
+        if counted != {name: copies[name] for name in counted}:
+            problems.append(f"stats counts {counted} blocks per tier, the index holds {copies}")
         for view in run.maps.values():
             view.close()
     total = run.tally.report()
