@@ -15,8 +15,11 @@ Eviction policy primitives (synchronous; the tier manager calls them):
 - ``accessed(key)`` on every hit;
 - ``protect(keys, until)`` when a prefetch hint names blocks a queued session will need;
   ``protected(key)`` tells the manager such a block may move down but must not be dropped;
-- ``victims(tier)`` -> keys in the order they should go. The manager skips keys it may not
-  evict (leased, busy, or a parent whose children are still there), so a policy only orders.
+- ``victims(tier)`` -> keys in the order they should go, lazily: the manager stops at the
+  first key it can evict, and may change the order between keys (an eviction awaits I/O), so
+  a policy reads its order in growing snapshots (``in_snapshots``) rather than copying all of
+  it per victim. The manager skips keys it may not evict (leased, busy, or a parent whose
+  children are still there), so a policy only orders.
 
 Policies (``EVICTION_POLICIES``): ``lru``; ``scheduler_aware`` (CachedAttention): LRU, except
 that blocks of sessions in the engine's look-ahead queue go last, and never leave the store,
@@ -25,6 +28,7 @@ until their session's turn reads them or the protection expires.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -89,6 +93,26 @@ class EvictionPolicy(Protocol):
     def victims(self, tier: str) -> Iterator[bytes]: ...
 
 
+FIRST_SNAPSHOT = 64  # keys read at once when a scan starts; each further read doubles it
+
+
+def in_snapshots(order: OrderedDict[bytes, None]) -> Iterator[bytes]:
+    """``order``'s keys, first to last, read in snapshots of its first 64, 128, 256, ... keys
+    (each yielding the keys the earlier ones did not), so the caller may change ``order``
+    between keys. A scan that stops after ``d`` keys costs O(d), one that runs to the end
+    O(len(order)); a key in ``order`` when the last snapshot is taken is never missed."""
+    seen: set[bytes] = set()
+    size = FIRST_SNAPSHOT
+    while True:
+        keys = list(itertools.islice(order, size))
+        fresh = [key for key in keys if key not in seen]
+        yield from fresh
+        if len(keys) < size:
+            return  # that snapshot was the whole order
+        seen.update(fresh)
+        size *= 2
+
+
 class LruPolicy:
     """Least recently used first, per tier."""
 
@@ -115,8 +139,7 @@ class LruPolicy:
         return False
 
     def victims(self, tier: str) -> Iterator[bytes]:
-        # A snapshot: the caller mutates the order while it evicts.
-        return iter(list(self._order.get(tier, OrderedDict())))
+        return in_snapshots(self._order.get(tier, OrderedDict()))
 
 
 class SchedulerAwarePolicy(LruPolicy):
@@ -144,12 +167,13 @@ class SchedulerAwarePolicy(LruPolicy):
         return True
 
     def victims(self, tier: str) -> Iterator[bytes]:
-        order = list(super().victims(tier))
-        hinted = [key for key in order if self.protected(key)]
-        if not hinted:
-            return iter(order)
-        held = set(hinted)
-        return iter([key for key in order if key not in held] + hinted)
+        hinted: list[bytes] = []  # protected keys go after every other one
+        for key in super().victims(tier):
+            if self.protected(key):
+                hinted.append(key)
+            else:
+                yield key
+        yield from hinted
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
