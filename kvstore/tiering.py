@@ -12,7 +12,11 @@ under its block id (``key || namespace``, :func:`kvstore.index.block_id`).
   the block's checksum, a lower tier's encoded block against its per-layer and payload
   checksums (and the block's own). A corrupt copy is deleted, counted, and reads as a miss;
 - ``evict_one(tier)`` picks the first evictable block in policy order and ``evict``\ s it:
-  copy down when the lower tier's write policy admits it, then free the upper copy;
+  copy down when the lower tier's write policy admits it, then free the upper copy. A
+  chain's ancestors cannot go before its leaf, and the policy's order lists them first, so
+  once a block leaves a tier its parent is tried first the next time (when it was used no
+  later than the block and is not protected): evicting a chain of ``n`` blocks scans past
+  its ancestors once, not ``n`` times;
 - ``settle(node)`` frees deleted blocks once unleased and forgets blocks with no copy left.
 
 Eviction takes unleased, idle blocks without children in that tier; a block leaves the
@@ -25,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +58,7 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 1 << 20  # copies, checksums and codecs above this size run in a worker thread
 CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "lz4_shuffle": Codec.LZ4_SHUFFLE}
 PROMOTE = "^promote"  # the in-flight key of a node's promotion (tier names are plain words)
+MAX_NEXT_VICTIMS = 64  # parents of evicted blocks remembered per tier (the newest kept)
 T = TypeVar("T")
 
 
@@ -100,6 +105,8 @@ class Placement:
         self.counts = counts
         self._by_name = {slot.name: slot for slot in tiers}
         self.pending: set[asyncio.Task[Any]] = set()  # flights and work finishing anyway
+        # tier -> parents of blocks just evicted from it, tried first by the next evict_one
+        self._next_victims: dict[str, list[bytes]] = {}
 
     def tier_named(self, name: str) -> StoreTier:
         return self._by_name[name]
@@ -358,7 +365,7 @@ class Placement:
 
     async def evict_one(self, slot: StoreTier) -> bool:
         """Evicts one block from ``slot`` (demoting it first per policy). False if none may go."""
-        for block in self.policy.victims(slot.name):
+        for block in self._victims(slot):
             node = self.index.get(block)
             if node is None or slot.name not in node.tiers:
                 self.policy.removed(slot.name, block)
@@ -366,6 +373,27 @@ class Placement:
             if self.evictable(node, slot) and await self.evict(node, slot):
                 return True
         return False
+
+    def _victims(self, slot: StoreTier) -> Iterator[bytes]:
+        """The parents of the blocks last evicted from ``slot``, then the policy's order."""
+        resume = self._next_victims.get(slot.name)
+        while resume:
+            yield resume.pop()
+        yield from self.policy.victims(slot.name)
+
+    def _resume_at_parent(self, node: Node, slot: StoreTier) -> None:
+        """After ``node`` left ``slot``: its parent, when that tier holds it, was used no
+        later than ``node`` and is not protected, is the next candidate."""
+        parent = self.index.get(node.parent_id)
+        if (
+            parent is not None
+            and slot.name in parent.tiers
+            and parent.last_access <= node.last_access
+            and not self.policy.protected(parent.id)
+        ):
+            resume = self._next_victims.setdefault(slot.name, [])
+            resume.append(parent.id)
+            del resume[:-MAX_NEXT_VICTIMS]
 
     def evictable(self, node: Node, slot: StoreTier) -> bool:
         if not node.committed or node.pinned or node.flights:
@@ -403,6 +431,7 @@ class Placement:
                 self.lost_copy(slot, node)
                 await slot.tier.delete(node.id)
                 self.counts[f"evictions.{slot.name}"] += 1
+                self._resume_at_parent(node, slot)
         finally:
             node.busy -= 1
         await self.settle(node)

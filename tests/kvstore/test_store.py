@@ -141,6 +141,31 @@ async def test_eviction_takes_leaves_only_and_never_leased_blocks(make_store) ->
             await store.release(lease.lease_id)
 
 
+async def test_a_chain_is_evicted_leaf_up_as_lru_orders_it(make_store) -> None:
+    """After a leaf goes, its parent is tried first (next in LRU order once the leaf is
+    gone): evicting a chain does not rescan its ancestors per block. A parent used since
+    the leaf was is not tried first: the order stays LRU's."""
+    async with make_store(host_blocks=8) as store:
+        a, b = chain("a", 4), chain("b", 4)
+        await put_all(store, a + b)  # host full; LRU: a0 a1 a2 a3 b0 b1 b2 b3
+        await put_all(store, chain("c", 3))  # a3, then its parents a2 and a1, leaf up
+        assert (await store.lookup(keys_of(a), NAMESPACE)).num_blocks == 1
+        assert (await store.lookup(keys_of(b), NAMESPACE)).num_blocks == 4
+        assert store.stats().tiers[0].evictions == 3
+
+    async with make_store(host_blocks=8) as store:
+        await put_all(store, a + b)
+        for key in keys_of(a)[:3]:  # a0-a2 used: LRU last
+            assert await store.get(key, NAMESPACE) is not None
+        await put_all(store, chain("c", 1))  # a3, the oldest leaf; a2 is newer than it now
+        await put_all(store, chain("d", 1))  # so b3 goes next, as LRU says, not a2
+        held = [(await store.lookup(keys_of(x), NAMESPACE)).num_blocks for x in (a, b)]
+        assert held == [3, 3]
+        await put_all(store, chain("e", 1))  # b2, b3's parent, older than b3: tried first
+        held = [(await store.lookup(keys_of(x), NAMESPACE)).num_blocks for x in (a, b)]
+        assert held == [3, 2]
+
+
 async def test_write_back_copies_down_on_demotion_and_promotes_on_hit(make_store) -> None:
     async with make_store(host_blocks=4, ssd_policy="write_back") as store:
         blocks = chain("doc", 4)
