@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import uvloop
+from daemon import percentiles_ms
 
 from kvstore.blocks import BlockLayout
 from kvstore.index import BlockMeta
@@ -112,11 +113,6 @@ async def lookup_latencies(store: BlockStore, keys: Sequence[bytes], calls: int)
     return seconds
 
 
-def pct(seconds: Sequence[float], q: float) -> float:
-    ordered = sorted(seconds)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
-
-
 async def bench(blocks: int, chain: int, puts: int, lookups: int) -> Row:
     async with store_of(blocks + puts) as roomy:  # the limit: the same puts, no eviction
         roomy.register_namespace(NAMESPACE, "t")
@@ -141,6 +137,7 @@ async def bench(blocks: int, chain: int, puts: int, lookups: int) -> Row:
             full.stats()
             stats.append(time.perf_counter() - began)
     put_us, limit_us = statistics.fmean(evicting) * 1e6, statistics.fmean(limit) * 1e6
+    (busy_p50, busy_p99), (idle_p50, idle_p99) = percentiles_ms(busy), percentiles_ms(idle)
     return Row(
         blocks=blocks,
         chain=chain,
@@ -148,11 +145,11 @@ async def bench(blocks: int, chain: int, puts: int, lookups: int) -> Row:
         limit_put_us=limit_us,
         ratio=put_us / limit_us,
         worst_put_ms=max(evicting) * 1e3,
-        lookup_p50_ms=pct(busy, 0.5),
-        lookup_p99_ms=pct(busy, 0.99),
-        idle_lookup_p50_ms=pct(idle, 0.5),
-        idle_lookup_p99_ms=pct(idle, 0.99),
-        stats_p50_ms=pct(stats, 0.5),
+        lookup_p50_ms=busy_p50,
+        lookup_p99_ms=busy_p99,
+        idle_lookup_p50_ms=idle_p50,
+        idle_lookup_p99_ms=idle_p99,
+        stats_p50_ms=percentiles_ms(stats)[0],
     )
 
 
