@@ -253,7 +253,6 @@ class ArenaPlane:
         self._host.commit(node.id)
         node.checksum = found
         self._placement.index.add_copy(node, self._top.name)
-        self._placement.policy.inserted(self._top.name, node.id)
         node.busy += 1
         try:
             with self._host.view(slot) as payload:

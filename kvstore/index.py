@@ -22,7 +22,12 @@ Primitives:
   ``subtree(block_id)`` for deletes;
 - per node: the tiers holding it, size, checksum, last access, hit count and lease count;
   a tier is added to or taken from a node with ``add_copy`` / ``drop_copy``, which keep the
-  per-tier block counts (``blocks_in(tier)``, O(1): stats never walks the index).
+  per-tier block counts (``blocks_in(tier)``, O(1): stats never walks the index);
+- *tier leaves*: a node a tier holds while none of its children has a copy there (only
+  those may leave the tier). The index keeps, per node, how many of its children each tier
+  holds (``children_in(block_id, tier)``, O(1)), and tells ``leaf_events`` (a
+  :class:`LeafEvents`) each time a node becomes or stops being a leaf of a tier, so the
+  eviction order holds candidates only and never scans past a chain's ancestors.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore.blocks import BlockLayout
 from kvstore.errors import InvalidBlockError
@@ -70,6 +76,8 @@ class Node:
     leases: int = 0
     busy: int = 0  # tier copies in flight; a busy node is not evicted
     doomed: bool = False  # deleted while leased: removed when the last lease goes
+    # tier -> how many of this node's children hold a copy there (None: none anywhere)
+    held_children: dict[str, int] | None = None
     # Tier writes and the promotion in flight, by tier name (one of each at a time).
     flights: dict[str, asyncio.Task[bool]] = field(default_factory=dict)
 
@@ -86,6 +94,25 @@ class Node:
         return self.leases > 0 or self.busy > 0
 
 
+class LeafEvents(Protocol):
+    """Told when an indexed node becomes, or stops being, a leaf of a tier."""
+
+    def leaf_added(self, tier: str, node: Node, freed_by: Node | None) -> None:
+        """``node`` is now a leaf of ``tier``: it gained a copy there with no child holding
+        one, or ``freed_by``, its last child there, lost its copy."""
+
+    def leaf_removed(self, tier: str, node: Node) -> None:
+        """``node`` is no longer a leaf of ``tier``: it lost its copy, or a child gained one."""
+
+
+class _NoLeafEvents:
+    def leaf_added(self, tier: str, node: Node, freed_by: Node | None) -> None:
+        return None
+
+    def leaf_removed(self, tier: str, node: Node) -> None:
+        return None
+
+
 class RadixIndex:
     """Nodes by block id and by (namespace, key), with parent -> children links (children may
     arrive before parents)."""
@@ -95,6 +122,7 @@ class RadixIndex:
         self._spaces: dict[bytes, dict[bytes, Node]] = {}  # namespace -> key -> node
         self._children: dict[bytes, set[bytes]] = {}  # parent id -> child ids
         self._tier_blocks = Counter[str]()  # tier -> indexed nodes it holds a copy of
+        self.leaf_events: LeafEvents = _NoLeafEvents()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -132,6 +160,9 @@ class RadixIndex:
         self._nodes[node.id] = node
         self._spaces.setdefault(meta.namespace, {})[key] = node
         self._children.setdefault(node.parent_id, set()).add(node.id)
+        for child in self._children.get(node.id, ()):  # children that came first
+            for tier in self._nodes[child].tiers:
+                self._count_child(node, tier, +1)
         return node
 
     def _cycles(self, key: bytes, parent: bytes, namespace: bytes) -> bool:
@@ -152,18 +183,56 @@ class RadixIndex:
         return False
 
     def add_copy(self, node: Node, tier: str) -> None:
-        """``tier`` now holds a copy of ``node``."""
-        if tier not in node.tiers:
-            node.tiers.add(tier)
-            if self._nodes.get(node.id) is node:
-                self._tier_blocks[tier] += 1
+        """``tier`` now holds a copy of ``node``. A late event for a node no longer indexed
+        (discarded meanwhile) changes its ``tiers`` only."""
+        if tier in node.tiers:
+            return
+        node.tiers.add(tier)
+        if self._nodes.get(node.id) is node:
+            self._counted(node, tier, +1)
 
     def drop_copy(self, node: Node, tier: str) -> None:
         """``tier`` no longer holds a copy of ``node``."""
-        if tier in node.tiers:
-            node.tiers.discard(tier)
-            if self._nodes.get(node.id) is node:
-                self._tier_blocks[tier] -= 1
+        if tier not in node.tiers:
+            return
+        node.tiers.discard(tier)
+        if self._nodes.get(node.id) is node:
+            self._counted(node, tier, -1)
+
+    def _counted(self, node: Node, tier: str, change: int) -> None:
+        """Counts an indexed node's copy in ``tier`` as gained (+1) or lost (-1)."""
+        self._tier_blocks[tier] += change
+        if not self.children_in(node.id, tier):
+            if change > 0:
+                self.leaf_events.leaf_added(tier, node, None)
+            else:
+                self.leaf_events.leaf_removed(tier, node)
+        parent = self._nodes.get(node.parent_id)
+        if parent is not None:
+            self._count_child(parent, tier, change, node)
+
+    def _count_child(self, parent: Node, tier: str, change: int, child: Node | None = None) -> None:
+        held = parent.held_children
+        if held is None:
+            held = parent.held_children = {}
+        count = held.get(tier, 0) + change
+        if count:
+            held[tier] = count
+        else:
+            del held[tier]
+            if not held:
+                parent.held_children = None
+        if tier in parent.tiers and count == (1 if change > 0 else 0):
+            if change > 0:
+                self.leaf_events.leaf_removed(tier, parent)
+            else:
+                self.leaf_events.leaf_added(tier, parent, child)
+
+    def children_in(self, block: bytes, tier: str) -> int:
+        """How many children of ``block`` hold a copy in ``tier``."""
+        node = self._nodes.get(block)
+        held = None if node is None else node.held_children
+        return 0 if held is None else held.get(tier, 0)
 
     def blocks_in(self, tier: str) -> int:
         """Indexed blocks ``tier`` holds a copy of."""
@@ -175,11 +244,14 @@ class RadixIndex:
         return node
 
     def discard(self, block: bytes) -> None:
-        """Forgets a node whose write failed (or whose last copy is gone)."""
-        node = self._nodes.pop(block, None)
+        """Forgets a node whose write failed (or whose last copy is gone). Copies still
+        recorded in its ``tiers`` stop counting (as if dropped) but stay listed."""
+        node = self._nodes.get(block)
         if node is None:
             return
-        self._tier_blocks.subtract(node.tiers)
+        for tier in sorted(node.tiers):
+            self._counted(node, tier, -1)
+        del self._nodes[block]
         space = self._spaces[node.namespace]
         del space[node.key]
         if not space:
@@ -198,12 +270,6 @@ class RadixIndex:
 
     def children_of(self, block: bytes) -> set[bytes]:
         return self._children.get(block, set())
-
-    def has_children_in(self, block: bytes, tier: str) -> bool:
-        return any(
-            (child := self._nodes.get(k)) is not None and tier in child.tiers
-            for k in self._children.get(block, ())
-        )
 
     def match(self, keys: Sequence[bytes], namespace: bytes) -> list[Node]:
         """The committed nodes of ``namespace`` for the longest prefix of ``keys`` it holds."""

@@ -11,15 +11,18 @@ Write policy of a lower tier (how blocks reach it from the tiers above):
 
 Eviction policy primitives (synchronous; the tier manager calls them):
 
-- ``inserted(tier, key)`` when a tier gains a copy, ``removed(tier, key)`` when it loses one;
+- ``inserted(tier, key, first=...)`` when a block becomes an eviction candidate of a tier
+  (a *leaf* there: the tier holds it and none of its children), ``removed(tier, key)`` when
+  it stops being one; ``first`` asks for it to go before every other candidate (a parent
+  whose last child there just left, used no later than that child);
 - ``accessed(key)`` on every hit;
 - ``protect(keys, until)`` when a prefetch hint names blocks a queued session will need;
   ``protected(key)`` tells the manager such a block may move down but must not be dropped;
 - ``victims(tier)`` -> keys in the order they should go, lazily: the manager stops at the
   first key it can evict, and may change the order between keys (an eviction awaits I/O), so
   a policy reads its order in growing snapshots (``in_snapshots``) rather than copying all of
-  it per victim. The manager skips keys it may not evict (leased, busy, or a parent whose
-  children are still there), so a policy only orders.
+  it per victim. The manager skips keys it may not evict (leased, busy, protected), so a
+  policy only orders. Every primitive is O(1) (amortised); a scan costs the keys it passes.
 
 Policies (``EVICTION_POLICIES``): ``lru``; ``scheduler_aware`` (CachedAttention): LRU, except
 that blocks of sessions in the engine's look-ahead queue go last, and never leave the store,
@@ -80,7 +83,7 @@ def write_policy(name: str, selective_hits: int) -> WritePolicy:
 class EvictionPolicy(Protocol):
     """Orders eviction candidates per tier. See the module docstring."""
 
-    def inserted(self, tier: str, key: bytes) -> None: ...
+    def inserted(self, tier: str, key: bytes, *, first: bool = False) -> None: ...
 
     def removed(self, tier: str, key: bytes) -> None: ...
 
@@ -119,10 +122,10 @@ class LruPolicy:
     def __init__(self) -> None:
         self._order: dict[str, OrderedDict[bytes, None]] = {}
 
-    def inserted(self, tier: str, key: bytes) -> None:
+    def inserted(self, tier: str, key: bytes, *, first: bool = False) -> None:
         order = self._order.setdefault(tier, OrderedDict())
         order[key] = None
-        order.move_to_end(key)
+        order.move_to_end(key, last=not first)
 
     def removed(self, tier: str, key: bytes) -> None:
         self._order.get(tier, OrderedDict()).pop(key, None)

@@ -58,7 +58,7 @@ from kvstore.results import (
     TierStats,
 )
 from kvstore.tasks import finish_anyway
-from kvstore.tiering import Placement, StoreTier, checksum_of, tiers_from_config
+from kvstore.tiering import YIELD_EVERY, Placement, StoreTier, checksum_of, tiers_from_config
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import ArenaHandle, HostTier
@@ -538,9 +538,13 @@ class BlockStore:
             capacity = slot.tier.capacity()
             if slot.tier.usage() <= self._high * capacity:
                 continue
+            evicted = 0
             while slot.tier.usage() > self._low * capacity:
                 if not await self._placement.evict_one(slot):
                     break
+                evicted += 1
+                if evicted % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # a long drain must not stall the loop
 
     def stats(self) -> StoreStats:
         tiers = tuple(

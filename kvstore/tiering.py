@@ -12,11 +12,12 @@ under its block id (``key || namespace``, :func:`kvstore.index.block_id`).
   the block's checksum, a lower tier's encoded block against its per-layer and payload
   checksums (and the block's own). A corrupt copy is deleted, counted, and reads as a miss;
 - ``evict_one(tier)`` picks the first evictable block in policy order and ``evict``\ s it:
-  copy down when the lower tier's write policy admits it, then free the upper copy. A
-  chain's ancestors cannot go before its leaf, and the policy's order lists them first, so
-  once a block leaves a tier its parent is tried first the next time (when it was used no
-  later than the block and is not protected): evicting a chain of ``n`` blocks scans past
-  its ancestors once, not ``n`` times;
+  copy down when the lower tier's write policy admits it, then free the upper copy. The
+  policy orders only the tier's *leaves* (the index tells ``Placement``, its
+  :class:`~kvstore.index.LeafEvents`, as blocks become or stop being leaves), so a scan
+  never passes a chain's ancestors; what it skips is in use (leased, busy, protected). A
+  parent that becomes a leaf when its child leaves goes first when it was used no later
+  than that child (a chain leaves leaf up, in LRU order), else last, as if just used;
 - ``settle(node)`` frees deleted blocks once unleased and forgets blocks with no copy left.
 
 Eviction takes unleased, idle blocks without children in that tier; a block leaves the
@@ -29,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 1 << 20  # copies, checksums and codecs above this size run in a worker thread
 CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "lz4_shuffle": Codec.LZ4_SHUFFLE}
 PROMOTE = "^promote"  # the in-flight key of a node's promotion (tier names are plain words)
-MAX_NEXT_VICTIMS = 64  # parents of evicted blocks remembered per tier (the newest kept)
+YIELD_EVERY = 256  # blocks a sweep (TTL, watermark) handles before it lets the loop run
 T = TypeVar("T")
 
 
@@ -105,8 +106,7 @@ class Placement:
         self.counts = counts
         self._by_name = {slot.name: slot for slot in tiers}
         self.pending: set[asyncio.Task[Any]] = set()  # flights and work finishing anyway
-        # tier -> parents of blocks just evicted from it, tried first by the next evict_one
-        self._next_victims: dict[str, list[bytes]] = {}
+        index.leaf_events = self
 
     def tier_named(self, name: str) -> StoreTier:
         return self._by_name[name]
@@ -170,7 +170,6 @@ class Placement:
         finally:
             node.busy -= 1
         self.index.add_copy(node, slot.name)
-        self.policy.inserted(slot.name, node.id)
         return True
 
     async def encode(self, slot: StoreTier, node: Node, payload: Buffer) -> Buffer:
@@ -288,7 +287,15 @@ class Placement:
 
     def lost_copy(self, slot: StoreTier, node: Node) -> None:
         self.index.drop_copy(node, slot.name)
-        self.policy.removed(slot.name, node.id)
+
+    # -- leaf events: the policy orders a tier's leaves only ---------------------------------
+
+    def leaf_added(self, tier: str, node: Node, freed_by: Node | None) -> None:
+        first = freed_by is not None and node.last_access <= freed_by.last_access
+        self.policy.inserted(tier, node.id, first=first)
+
+    def leaf_removed(self, tier: str, node: Node) -> None:
+        self.policy.removed(tier, node.id)
 
     # -- promotion --------------------------------------------------------------------------
 
@@ -358,14 +365,13 @@ class Placement:
         node = self.index.begin(header.key, header.parent, meta, header.layout.payload_bytes)
         node.checksum = header.checksum
         self.index.add_copy(node, slot.name)
-        self.policy.inserted(slot.name, node.id)
         return self.index.commit(node.id)
 
     # -- eviction ----------------------------------------------------------------------------
 
     async def evict_one(self, slot: StoreTier) -> bool:
         """Evicts one block from ``slot`` (demoting it first per policy). False if none may go."""
-        for block in self._victims(slot):
+        for block in self.policy.victims(slot.name):
             node = self.index.get(block)
             if node is None or slot.name not in node.tiers:
                 self.policy.removed(slot.name, block)
@@ -374,31 +380,10 @@ class Placement:
                 return True
         return False
 
-    def _victims(self, slot: StoreTier) -> Iterator[bytes]:
-        """The parents of the blocks last evicted from ``slot``, then the policy's order."""
-        resume = self._next_victims.get(slot.name)
-        while resume:
-            yield resume.pop()
-        yield from self.policy.victims(slot.name)
-
-    def _resume_at_parent(self, node: Node, slot: StoreTier) -> None:
-        """After ``node`` left ``slot``: its parent, when that tier holds it, was used no
-        later than ``node`` and is not protected, is the next candidate."""
-        parent = self.index.get(node.parent_id)
-        if (
-            parent is not None
-            and slot.name in parent.tiers
-            and parent.last_access <= node.last_access
-            and not self.policy.protected(parent.id)
-        ):
-            resume = self._next_victims.setdefault(slot.name, [])
-            resume.append(parent.id)
-            del resume[:-MAX_NEXT_VICTIMS]
-
     def evictable(self, node: Node, slot: StoreTier) -> bool:
         if not node.committed or node.pinned or node.flights:
             return False
-        if self.index.has_children_in(node.id, slot.name):
+        if self.index.children_in(node.id, slot.name):
             return False
         if node.tiers - {slot.name} or self.demotion_target(node, slot) is not None:
             return True
@@ -431,7 +416,6 @@ class Placement:
                 self.lost_copy(slot, node)
                 await slot.tier.delete(node.id)
                 self.counts[f"evictions.{slot.name}"] += 1
-                self._resume_at_parent(node, slot)
         finally:
             node.busy -= 1
         await self.settle(node)
@@ -442,10 +426,33 @@ class Placement:
             return True  # another tier holds it
         return not self.index.children_of(node.id) and not self.policy.protected(node.id)
 
-    async def expire(self, slot: StoreTier, cutoff: float) -> None:
-        for node in self.index.nodes():
-            if slot.name in node.tiers and node.last_access < cutoff and self.evictable(node, slot):
-                await self.evict(node, slot)
+    async def expire(self, slot: StoreTier, cutoff: float) -> int:
+        """Evicts ``slot``'s blocks idle since before ``cutoff``; returns how many.
+
+        Walks the policy's order from the front, anew after each eviction (which may put a
+        parent first), and stops at the first block used since ``cutoff``: the cost is the
+        blocks expired and those in use it passes, not the blocks held. The order is by
+        last use except where a block entered the tier after its last use (a demotion) or a
+        parent went last: such a block expires once the younger ones ahead of it have (or
+        have been used and moved back), within two TTLs.
+        """
+        expired = 0
+        while await self._expire_one(slot, cutoff):
+            expired += 1
+            if expired % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        return expired
+
+    async def _expire_one(self, slot: StoreTier, cutoff: float) -> bool:
+        for block in self.policy.victims(slot.name):
+            node = self.index.get(block)
+            if node is None or slot.name not in node.tiers:
+                continue
+            if node.last_access >= cutoff:
+                return False
+            if self.evictable(node, slot) and await self.evict(node, slot):
+                return True
+        return False
 
     async def settle(self, node: Node) -> None:
         """Frees a deleted block once nothing uses it; forgets a block with no copy left."""
@@ -503,7 +510,6 @@ class Placement:
                     continue
             else:
                 self.index.add_copy(node, slot.name)
-                self.policy.inserted(slot.name, block)
             adopted += 1
         self.counts["corrupt_blocks"] += dropped
         log.info("%s: rebuilt %d blocks from storage, dropped %d", slot.name, adopted, dropped)

@@ -1,12 +1,20 @@
-"""The radix index's per-tier block counts against a recount, under random copy events."""
+"""The radix index's per-tier block counts, child counts and tier leaves against a brute-force
+walk, under random copy events."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from kvstore.blocks import BlockLayout
+from kvstore.errors import InvalidBlockError
 from kvstore.index import BlockMeta, Node, RadixIndex
+from tests.support.leaves import children_in, tier_leaves
 
 LAYOUT = BlockLayout(1, 1, 4, 8, "float16")
 NAMESPACE = b"n" * 32
@@ -64,3 +72,66 @@ def test_random_events_never_let_the_counts_drift() -> None:
         if step % 250 == 0:
             assert {t: index.blocks_in(t) for t in TIERS} == {t: recount(index)[t] for t in TIERS}
     assert {t: index.blocks_in(t) for t in TIERS} == {t: recount(index)[t] for t in TIERS}
+
+
+class Leaves:
+    """LeafEvents that keep each tier's leaves in a set, and fail on an impossible event."""
+
+    def __init__(self) -> None:
+        self.sets: dict[str, set[bytes]] = {tier: set() for tier in TIERS}
+
+    def leaf_added(self, tier: str, node: Node, freed_by: Node | None) -> None:
+        assert node.id not in self.sets[tier], "added twice"
+        assert freed_by is None or freed_by.parent_id == node.id
+        self.sets[tier].add(node.id)
+
+    def leaf_removed(self, tier: str, node: Node) -> None:
+        assert node.id in self.sets[tier], "removed while not a leaf"
+        self.sets[tier].remove(node.id)
+
+
+class IndexEvents(RuleBasedStateMachine):
+    """Random begins (children before parents too), copies gained and lost, discards, late
+    events for discarded nodes: the leaves the events announce, the per-tier child counts
+    and the block counts always equal a brute-force walk of the index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = RadixIndex()
+        self.leaves = Leaves()
+        self.index.leaf_events = self.leaves
+        self.meta = BlockMeta(NAMESPACE, 4, LAYOUT)
+        self.nodes: list[Node] = []  # indexed or discarded (late events still arrive)
+
+    @rule(key=st.integers(0, 40), parent=st.integers(-1, 40))
+    def begin(self, key: int, parent: int) -> None:
+        name = key.to_bytes(32, "big")
+        parent_key = b"\xff" * 32 if parent < 0 else parent.to_bytes(32, "big")
+        if self.index.find(name, NAMESPACE) is None and parent_key != name:
+            with contextlib.suppress(InvalidBlockError):  # a cycle: refused, index unchanged
+                self.nodes.append(self.index.begin(name, parent_key, self.meta, 64))
+
+    @precondition(lambda self: self.nodes)
+    @rule(pick=st.integers(0, 10**6), tier=st.sampled_from(TIERS), gain=st.booleans())
+    def copy(self, pick: int, tier: str, gain: bool) -> None:
+        node = self.nodes[pick % len(self.nodes)]
+        (self.index.add_copy if gain else self.index.drop_copy)(node, tier)
+
+    @precondition(lambda self: self.nodes)
+    @rule(pick=st.integers(0, 10**6))
+    def discard(self, pick: int) -> None:
+        self.index.discard(self.nodes[pick % len(self.nodes)].id)
+
+    @invariant()
+    def leaves_and_counts_match_a_walk(self) -> None:
+        for tier in TIERS:
+            assert self.leaves.sets[tier] == tier_leaves(self.index, tier)
+            assert self.index.blocks_in(tier) == recount(self.index)[tier]
+            for node in self.index.nodes():
+                assert self.index.children_in(node.id, tier) == children_in(
+                    self.index, node.id, tier
+                )
+
+
+IndexEvents.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+test_leaf_events_match_a_brute_force_walk = IndexEvents.TestCase

@@ -5,20 +5,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator, Callable
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.blocks import ROOT_KEY, BlockLayout, Codec
 from kvstore.errors import InvalidBlockError, StoreClosedError, UnknownLeaseError
 from kvstore.index import BlockMeta
-from kvstore.policies import LruPolicy, write_policy
+from kvstore.policies import LruPolicy, eviction_policy, write_policy
 from kvstore.store import BlockStore, PutStatus, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.ssd import SsdTier
+from tests.support.leaves import tier_leaves
 
 LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=16, head_dim=64, dtype="float16")
 BLOCK = LAYOUT.payload_bytes  # 16 KiB
@@ -230,6 +235,43 @@ async def test_watermarks_start_high_and_stop_low(make_store) -> None:
         assert len(list(store.tier("ssd").tier.keys())) == 4
 
 
+class CountingLru(LruPolicy):
+    """LRU that counts the keys its scans hand out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offered = 0
+
+    def victims(self, tier: str) -> Iterator[bytes]:
+        for key in super().victims(tier):
+            self.offered += 1
+            yield key
+
+
+async def test_a_tier_ttl_expires_idle_chains_leaf_up_and_reads_only_what_it_expires() -> None:
+    """Two old chains and a hundred young ones in a host tier with a 60 s TTL: a sweep at
+    the cutoff takes both old chains whole (each leaf, then its parent, first in the order
+    once the leaf is gone), keeps every young block, and is offered only the old blocks and
+    the first young one, not the 400 blocks held."""
+    policy = CountingLru()
+    host = StoreTier(HostTier(512 * BLOCK), None, write_policy("write_through", 1), ttl=60.0)
+    async with BlockStore([host], eviction=policy, high_watermark=1.0, low_watermark=1.0) as store:
+        old, kept = chain("old1", 4) + chain("old2", 4), chain("kept", 2)
+        await put_all(store, old + kept)
+        cutoff = time.monotonic()
+        young = [block for i in range(100) for block in chain(f"young{i}", 3)]
+        await put_all(store, young)
+        for key in keys_of(kept):  # put before the cutoff, used after it: kept
+            assert await store.get(key, NAMESPACE) is not None
+        policy.offered = 0
+        await store.maintain(now=cutoff + 60.0)
+        assert (await store.lookup(keys_of(old[:4]), NAMESPACE)).num_blocks == 0
+        assert (await store.lookup(keys_of(old[4:]), NAMESPACE)).num_blocks == 0
+        assert (await store.lookup(keys_of(kept), NAMESPACE)).num_blocks == 2
+        assert store.stats().tiers[0].blocks == 302 and store.stats().tiers[0].evictions == 8
+        assert policy.offered <= 8 + 8  # each sweep step: its victim, then the young head
+
+
 async def test_restart_rebuilds_from_ssd_and_drops_damaged_files(make_store, tmp_path) -> None:
     ssd_dir = tmp_path / "blocks"
     blocks = chain("persist", 6)
@@ -430,3 +472,67 @@ async def test_a_parent_cycle_is_refused_and_delete_ends(make_store) -> None:
         assert await store.put(a, ROOT_KEY, META, payload) is PutStatus.STORED
         assert await store.delete(a, NAMESPACE) == 2  # a and its child b, once each
         assert store.stats().blocks == 0
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "get", "delete", "pin", "release", "prefetch", "maintain"]),
+        st.integers(0, 5),  # which chain
+        st.integers(1, 5),  # how many of its blocks
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, policy=st.sampled_from(["lru", "scheduler_aware"]))
+def test_the_eviction_order_holds_each_tiers_leaves_under_random_operations(
+    ops: list[tuple[str, int, int]], policy: str
+) -> None:
+    """Puts (chains sharing prefixes), gets that promote, deletes under leases, leases,
+    hints and maintenance on a 4-block host over an 8-block write-back SSD, so that every
+    few operations evict and demote: after each one, each tier's eviction order lists
+    exactly its leaves found by a walk of the index, and every byte read is the key's."""
+    chains = [
+        chain(f"c{i % 3}", 5) + chain(f"d{i}", 3, chain(f"c{i % 3}", 5)[-1][0]) for i in range(6)
+    ]
+
+    async def run(directory: Path) -> None:
+        tiers = [
+            StoreTier(HostTier(4 * BLOCK), None, write_policy("write_through", 1)),
+            StoreTier(
+                SsdTier(directory, 8 * (BLOCK + 1024), fsync=False),
+                Codec.LZ4,
+                write_policy("write_back", 1),
+            ),
+        ]
+        store = BlockStore(
+            tiers, eviction=eviction_policy(policy), high_watermark=0.9, low_watermark=0.6
+        )
+        leases: list[int] = []
+        async with store:
+            for op, which, count in ops:
+                blocks = chains[which][: count + (3 if which % 2 else 0)]
+                if op == "put":
+                    await put_all(store, blocks)
+                elif op == "get":
+                    for key, _, payload in blocks:
+                        block = await store.get(key, NAMESPACE)
+                        assert block is None or bytes(block.payload) == payload
+                elif op == "delete":
+                    await store.delete(blocks[-1][0], NAMESPACE)
+                elif op == "pin":
+                    leases.append(store.pin(keys_of(blocks), NAMESPACE).lease_id)
+                elif op == "release" and leases:
+                    await store.release(leases.pop(count % len(leases)))
+                elif op == "prefetch":
+                    store.policy.protect([key + NAMESPACE for key in keys_of(blocks)], 1e18)
+                elif op == "maintain":
+                    await store.maintain()
+                for slot in store.tiers:
+                    assert set(store.policy.victims(slot.name)) == tier_leaves(
+                        store.index, slot.name
+                    )
+
+    with tempfile.TemporaryDirectory() as directory:
+        asyncio.run(run(Path(directory)))

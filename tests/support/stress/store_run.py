@@ -23,6 +23,7 @@ from kvstore.store import BlockStore, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.ssd import SsdTier
+from tests.support.leaves import tier_leaves
 from tests.support.stress import checks
 from tests.support.stress.content import BLOCK, TENANTS, chain_keys, payload
 from tests.support.stress.store_ops import StoreRun
@@ -70,6 +71,14 @@ async def run_store_stress(
         counted = {tier.name: tier.blocks for tier in after.tiers}
         if counted != {name: copies[name] for name in counted}:
             problems.append(f"stats counts {counted} blocks per tier, the index holds {copies}")
+        # The eviction order holds exactly each tier's leaves, kept by events: brute force.
+        for name in counted:
+            listed, leaves = set(store.policy.victims(name)), tier_leaves(store.index, name)
+            if listed != leaves:
+                problems.append(
+                    f"{name}: the eviction order lists {len(listed - leaves)} blocks that are "
+                    f"not leaves and misses {len(leaves - listed)} leaves"
+                )
         for view in run.maps.values():
             view.close()
     total = run.tally.report()
