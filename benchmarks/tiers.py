@@ -285,12 +285,31 @@ async def bench_host(blocks: Blocks, run: Settings) -> list[Row]:
     timed, first_put = timings.rounds, [timings.warm_up["put"]]
     into_n, into_1 = "memmove into N buffers", "memmove into 1 buffer"
     fresh = make_row("host", "put (fresh arena)", blocks, first_put, timed["in"], into_n)
+    faulted = make_row(
+        "host",
+        "put (fresh arena, pre-faulted)",
+        blocks,
+        [await prefaulted_puts(blocks, count * -(-size // PAGE_BYTES) * PAGE_BYTES)],
+        timed["in"],
+        into_n,
+    )
     return [
         make_row("host", "put", blocks, timed["put"], timed["in"], into_n),
         replace(fresh, target=None),
+        replace(faulted, target=None),
         make_row("host", "get", blocks, timed["get"], timed["out"], into_1),
         make_row("host", "get_into", blocks, timed["get_into"], timed["out again"], into_1),
     ]
+
+
+async def prefaulted_puts(blocks: Blocks, capacity: int) -> float:
+    """Seconds of one round of puts into a new arena that was pre-faulted first (the
+    daemon's default: a new arena is faulted in by a worker thread before puts need it)."""
+    async with HostTier(capacity, prefault=True) as tier:
+        tier.arena("")  # created here: its pre-faulting starts
+        await tier.prefaulted()
+        put, _ = tier_ops(tier, blocks)
+        return sum([await put(i) for i in range(len(blocks.views))])
 
 
 # ssd -------------------------------------------------------------------------------------------

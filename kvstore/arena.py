@@ -142,15 +142,37 @@ class ArenaPlane:
         for slot in slots:
             self._host.unpin(slot)
 
-    async def prefetch(self, keys: Sequence[bytes], namespace: bytes) -> int:
-        """Moves the leading held blocks of ``keys`` into the arena; returns how many are there."""
-        count = 0
+    async def prefetch(
+        self, keys: Sequence[bytes], namespace: bytes, budget: int
+    ) -> tuple[int, int]:
+        """Moves the leading held blocks of ``keys`` into the arena, promoting at most
+        ``budget`` bytes and making room only by evicting blocks no hint protects.
+
+        Returns:
+            How many leading blocks are in the arena now, and the bytes promoted.
+        """
+        count = promoted = 0
+        top = self._top
         for key in keys:
             node = await self._placement.held(key, namespace)
-            if node is None or not await self._placement.promote(node):
+            if node is None:
                 break
+            if top.name not in node.tiers:
+                if promoted + node.size > budget or not await self._room_for(node.size):
+                    break
+                if not await self._placement.promote(node):
+                    break
+                promoted += node.size
             count += 1
-        return count
+        return count, promoted
+
+    async def _room_for(self, size: int) -> bool:
+        """Evicts unprotected blocks until ``size`` more bytes fit; False when they cannot."""
+        host = self._top.tier
+        while host.usage() + size > host.capacity():
+            if not await self._placement.evict_one(self._top, spare_protected=True):
+                return False
+        return True
 
     # -- writes -----------------------------------------------------------------------------
 

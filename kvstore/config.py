@@ -74,6 +74,7 @@ class HostConfig:
     enabled: bool = True
     capacity: int = size(default=4 * 2**30)  # all tenants' arenas together
     ttl: float = duration(default=0.0)
+    prefault: bool = True  # fault a new arena's free pages in off the hot path
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,8 @@ class EvictionConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     hint_ttl: float = duration(default=60.0)  # how long a prefetch hint protects its blocks
+    hint_share: float = 0.25  # one hint promotes at most this share of the host tier
+    hint_rate: float = 1.0  # hints together promote at most this share of it per second
 
 
 def default_socket() -> str:
@@ -380,6 +383,10 @@ def validate(config: Config) -> None:
             f"eviction watermarks need 0 < low_watermark < high_watermark <= 1, "
             f"got low_watermark={low} high_watermark={high}"
         )
+    for key in ("hint_share", "hint_rate"):
+        value = getattr(config.eviction, key)
+        if not 0.0 < value <= 1.0:
+            raise ConfigError(f"eviction.{key} must be in (0, 1], got {value}")
     _check_server(config.server)
     for entry in config.auth.tokens:
         token, _, tenant = entry.partition(":")

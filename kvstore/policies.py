@@ -24,6 +24,9 @@ Eviction policy primitives (synchronous; the tier manager calls them):
   it per victim. The manager skips keys it may not evict (leased, busy, protected), so a
   policy only orders. Every primitive is O(1) (amortised); a scan costs the keys it passes.
 
+Prefetch hints promote within a :class:`HintBudget`: at most a share of the top tier per
+hint and per second, so that hints naming more than the tier holds cannot thrash it.
+
 Policies (``EVICTION_POLICIES``): ``lru``; ``scheduler_aware`` (CachedAttention): LRU, except
 that blocks of sessions in the engine's look-ahead queue go last, and never leave the store,
 until their session's turn reads them or the protection expires.
@@ -177,6 +180,28 @@ class SchedulerAwarePolicy(LruPolicy):
             else:
                 yield key
         yield from hinted
+
+
+class HintBudget:
+    """Bytes prefetch hints may promote: at most ``per_hint`` per hint, and ``per_second``
+    a second over all hints (a token bucket holding at most one second's worth)."""
+
+    def __init__(self, per_hint: int, per_second: int) -> None:
+        self.per_hint, self.per_second = per_hint, per_second
+        self._tokens = float(per_second)
+        self._at = time.monotonic()
+
+    def grant(self, now: float | None = None) -> int:
+        """Bytes the next hint may promote; it returns what it did not use with ``spent``."""
+        now = time.monotonic() if now is None else now
+        self._tokens = min(
+            self.per_second, self._tokens + max(0.0, now - self._at) * self.per_second
+        )
+        self._at = now
+        return int(min(self.per_hint, self._tokens))
+
+    def spent(self, granted: int, used: int) -> None:
+        self._tokens -= min(used, granted)
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {

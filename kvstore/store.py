@@ -46,7 +46,7 @@ from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
 from kvstore.index import BlockMeta, Node, RadixIndex, block_id
 from kvstore.leases import LeaseTable
-from kvstore.policies import EvictionPolicy, eviction_policy
+from kvstore.policies import EvictionPolicy, HintBudget, eviction_policy
 from kvstore.results import (
     Acquired,
     Block,
@@ -94,6 +94,8 @@ class BlockStore:
         lease_ttl: float = 10.0,
         maintenance_interval: float = 1.0,
         hint_ttl: float = 60.0,
+        hint_share: float = 0.25,
+        hint_rate: float = 1.0,
     ) -> None:
         if not tiers:
             raise ValueError("a BlockStore needs at least one tier")
@@ -108,6 +110,8 @@ class BlockStore:
         self._placement = Placement(self._tiers, self.index, self.policy, self._counts)
         top = self._tiers[0].tier
         self._host = top if isinstance(top, HostTier) else None
+        capacity = top.capacity()
+        self._hints = HintBudget(int(hint_share * capacity), int(hint_rate * capacity))
         self._leases = LeaseTable(
             self.index,
             self._placement,
@@ -139,6 +143,8 @@ class BlockStore:
             low_watermark=config.eviction.low_watermark,
             lease_ttl=config.server.lease_ttl,
             hint_ttl=config.eviction.hint_ttl,
+            hint_share=config.eviction.hint_share,
+            hint_rate=config.eviction.hint_rate,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -495,15 +501,23 @@ class BlockStore:
         return await self._require_arena().abort(key, namespace, owner)
 
     async def prefetch(self, keys: Sequence[bytes], namespace: bytes) -> int:
-        """Moves the leading held blocks of ``keys`` up into the arena; returns how many.
+        """Moves the leading held blocks of ``keys`` up into the arena; returns how many are
+        there.
 
         The eviction policy is told these blocks are wanted soon (a queued session): the
-        scheduler-aware policy evicts them last and never drops them, for ``hint_ttl``.
+        scheduler-aware policy evicts them last and never drops them, for ``hint_ttl``. The
+        promotion stays within the hint budget (``hint_share`` of the host tier per hint,
+        ``hint_rate`` of it per second) and makes room only by evicting blocks no hint
+        protects: hints naming more than the tier holds stop short, never thrash it.
         """
         self._check_open()
         held = [node.id for node in self.index.match(keys, namespace)]
         self.policy.protect(held, time.monotonic() + self._hint_ttl)
-        return await self._require_arena().prefetch(keys, namespace)
+        arena = self._require_arena()
+        budget = self._hints.grant()
+        count, promoted = await arena.prefetch(keys, namespace, budget)
+        self._hints.spent(budget, promoted)
+        return count
 
     def _require_arena(self) -> ArenaPlane:
         if self._arena is None:

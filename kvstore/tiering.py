@@ -369,12 +369,15 @@ class Placement:
 
     # -- eviction ----------------------------------------------------------------------------
 
-    async def evict_one(self, slot: StoreTier) -> bool:
-        """Evicts one block from ``slot`` (demoting it first per policy). False if none may go."""
+    async def evict_one(self, slot: StoreTier, *, spare_protected: bool = False) -> bool:
+        """Evicts one block from ``slot`` (demoting it first per policy). False if none may go.
+        ``spare_protected``: not a block a hint protects (room made for another hint)."""
         for block in self.policy.victims(slot.name):
             node = self.index.get(block)
             if node is None or slot.name not in node.tiers:
                 self.policy.removed(slot.name, block)
+                continue
+            if spare_protected and self.policy.protected(block):
                 continue
             if self.evictable(node, slot) and await self.evict(node, slot):
                 return True
@@ -530,7 +533,9 @@ def tiers_from_config(
 
     tiers: list[StoreTier] = []
     if config.host.enabled:
-        host = HostTier(config.host.capacity, partition_of=partition_of)
+        host = HostTier(
+            config.host.capacity, partition_of=partition_of, prefault=config.host.prefault
+        )
         tiers.append(StoreTier(host, None, write_policy("write_through", 1), config.host.ttl))
     if config.ssd.enabled:
         ssd_cfg = config.ssd

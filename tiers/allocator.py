@@ -263,6 +263,19 @@ class ArenaAllocator:
         elif was_full:
             bisect.insort(self._open.setdefault(slab.slot_pages, []), slab.start)
 
+    def free_extents(self) -> Iterator[tuple[int, int]]:
+        """The free runs no slab covers, as ``(offset, length)`` in bytes, by offset."""
+        return ((start * self.page_bytes, pages * self.page_bytes) for start, pages in self._free)
+
+    def hold(self, offset: int, length: int) -> None:
+        """Takes ``[offset, offset + length)``, page-aligned and inside one free extent, out
+        of the free runs until :meth:`unhold` (no slot is carved there meanwhile); it does
+        not count as used."""
+        self._free.take(offset // self.page_bytes, length // self.page_bytes)
+
+    def unhold(self, offset: int, length: int) -> None:
+        self._free.give(offset // self.page_bytes, length // self.page_bytes)
+
     def _pages_for(self, length: int) -> int:
         return max(1, -(-length // self.page_bytes))
 

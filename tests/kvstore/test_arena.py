@@ -13,7 +13,13 @@ import pytest
 from kvstore.blocks import ROOT_KEY, BlockLayout, Codec, payload_checksum
 from kvstore.errors import InvalidBlockError, NoArenaError, UnknownLeaseError
 from kvstore.index import BlockMeta
-from kvstore.policies import LruPolicy, write_policy
+from kvstore.policies import (
+    EvictionPolicy,
+    HintBudget,
+    LruPolicy,
+    SchedulerAwarePolicy,
+    write_policy,
+)
 from kvstore.store import BlockStore, PutStatus, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
@@ -33,7 +39,13 @@ def blocks(name: str, count: int) -> list[tuple[bytes, bytes, bytes]]:
     return out
 
 
-def make_store(tmp_path: Path, host_blocks: int = 4, ssd: bool = True) -> BlockStore:
+def make_store(
+    tmp_path: Path,
+    host_blocks: int = 4,
+    ssd: bool = True,
+    eviction: EvictionPolicy | None = None,
+    hint_share: float = 1.0,
+) -> BlockStore:
     tiers = [
         StoreTier(
             HostTier(host_blocks * BLOCK),
@@ -44,7 +56,13 @@ def make_store(tmp_path: Path, host_blocks: int = 4, ssd: bool = True) -> BlockS
     if ssd:
         disk = SsdTier(tmp_path / "ssd", 64 * (BLOCK + 1024), fsync=False)
         tiers.append(StoreTier(disk, Codec.LZ4, write_policy("write_back", 2)))
-    return BlockStore(tiers, eviction=LruPolicy(), high_watermark=1.0, low_watermark=0.5)
+    return BlockStore(
+        tiers,
+        eviction=eviction or LruPolicy(),
+        high_watermark=1.0,
+        low_watermark=0.5,
+        hint_share=hint_share,
+    )
 
 
 class Arena:
@@ -109,6 +127,50 @@ async def test_abandoned_reservations_expire_and_free_space(tmp_path: Path) -> N
         await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
         assert await store.abort(key, NS_A) is True and await store.abort(key, NS_A) is False
         assert host.usage() == 0
+
+
+async def put_chain(store: BlockStore, chain: list[tuple[bytes, bytes, bytes]]) -> list[bytes]:
+    for key, parent, payload in chain:
+        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
+    return [key for key, _, _ in chain]
+
+
+async def test_a_hint_never_evicts_what_another_hint_protects(tmp_path: Path) -> None:
+    """Two queued sessions whose KV is each the size of the host tier: the first hint moves
+    its chain up (evicting unhinted blocks), the second finds only protected blocks to
+    evict and stops, instead of trading the first session's blocks for its own."""
+    async with make_store(tmp_path, host_blocks=4, eviction=SchedulerAwarePolicy()) as store:
+        a = await put_chain(store, blocks("a", 4))
+        b = await put_chain(store, blocks("b", 4))  # the host holds b; a went down to SSD
+        c = await put_chain(store, blocks("c", 4))  # and now c; b went down too
+        assert (await store.lookup(a + b, NS_A)).tiers == ("ssd",) * 8
+        assert await store.prefetch(a, NS_A) == 4  # evicts c (no hint protects it)
+        assert await store.prefetch(b, NS_A) == 0  # only a's protected blocks could go
+        assert (await store.lookup(a, NS_A)).tiers == ("host",) * 4
+        assert (await store.lookup(b, NS_A)).tiers == ("ssd",) * 4
+        assert (await store.lookup(c, NS_A)).tiers == ("ssd",) * 4
+
+
+async def test_a_hint_promotes_at_most_its_share_of_the_host_tier(tmp_path: Path) -> None:
+    async with make_store(tmp_path, host_blocks=8, hint_share=0.25) as store:
+        a = await put_chain(store, blocks("a", 8))
+        await put_chain(store, blocks("b", 8))  # a is in SSD now
+        assert await store.prefetch(a, NS_A) == 2  # a quarter of 8 blocks
+        assert (await store.lookup(a, NS_A)).tiers == ("host",) * 2 + ("ssd",) * 6
+
+
+def test_the_hint_budget_refills_at_its_rate_up_to_one_second() -> None:
+    budget = HintBudget(per_hint=100, per_second=300)
+    start = budget.grant(now=0.0)
+    assert start == 100  # per hint, though a second's worth is there
+    budget.spent(start, 100)
+    assert [budget.grant(now=0.0) for _ in range(2)] == [100, 100]  # 200 left: unspent
+    budget.spent(100, 150)  # spends at most what it was granted
+    assert budget.grant(now=0.0) == 100
+    budget.spent(100, 100)
+    assert budget.grant(now=0.0) == 0  # 300 spent in the same instant
+    assert budget.grant(now=0.1) == 30  # refills at 300 per second
+    assert budget.grant(now=60.0) == 100  # holds a second's worth, capped per hint
 
 
 async def test_acquire_promotes_from_ssd_and_stops_at_other_namespaces(tmp_path: Path) -> None:

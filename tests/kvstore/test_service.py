@@ -12,7 +12,7 @@ import pytest
 from kvstore.blocks import ROOT_KEY, payload_checksum
 from kvstore.client.keys import block_keys
 from kvstore.client.shm import ShmSession
-from kvstore.config import Config, HostConfig, ServerConfig, SsdConfig
+from kvstore.config import Config, EvictionConfig, HostConfig, ServerConfig, SsdConfig
 from kvstore.errors import (
     InvalidBlockError,
     InvalidRequestError,
@@ -39,6 +39,7 @@ def make_config(tmp_path: Path, host_blocks: int = 64) -> Config:
         host=HostConfig(capacity=host_blocks * BLOCK),
         ssd=SsdConfig(directory=str(tmp_path / "ssd"), capacity=1 << 26, fsync=False),
         server=ServerConfig(listen=(f"unix:{tmp_path}/kv.sock",), lease_ttl=5.0),
+        eviction=EvictionConfig(hint_share=1.0),  # a few blocks of host: hints may fill it
     )
 
 

@@ -151,6 +151,56 @@ async def test_a_range_that_changes_partition_is_given_back_by_the_old_one() -> 
         assert await host.get(b"b") == b"B" * 4 * PAGE
 
 
+def held_bytes(host: HostTier, partition: str) -> int:
+    """Memory an arena's file holds (the kernel's count of its allocated pages)."""
+    return os.fstat(host.arena(partition).fd).st_blocks * 512
+
+
+async def test_prefault_fills_a_new_arena_and_the_partitions_stay_within_capacity() -> None:
+    """The first arena is faulted in whole, in the background, while puts go on; a second
+    partition's puts take pages from it (released there), so the memory the arenas hold
+    together never exceeds the capacity; a closed tier stops pre-faulting."""
+    capacity = 48 * MIB  # three prefault chunks
+    async with HostTier(
+        capacity, partition_of=lambda key: key[:1].decode(), prefault=True
+    ) as host:
+        await host.put(b"a0", b"A" * PAGE)  # creates arena a: its pre-faulting starts
+        await host.prefaulted()
+        # All but the slab a0's put carved before pre-faulting began (3 MiB here).
+        assert capacity - 3 * MIB + PAGE == held_bytes(host, "a")
+        assert await host.get(b"a0") == b"A" * PAGE  # a put during it kept its bytes
+        await host.put(b"b0", b"B" * 8 * MIB)  # arena b: nothing left to pre-fault
+        await host.prefaulted()
+        assert held_bytes(host, "b") == 8 * MIB
+        assert held_bytes(host, "a") + held_bytes(host, "b") <= capacity
+        assert await host.get(b"b0") == b"B" * 8 * MIB
+    async with HostTier(capacity, prefault=True) as host:
+        await host.put(b"k", b"x")
+    assert not host._prefaults  # aclose cancelled and awaited it
+
+
+async def test_puts_racing_the_prefault_all_land_while_the_tier_has_room() -> None:
+    """Chunks held out of the allocator while they fault in never make a put into a tier
+    with room fail: 384 puts (24 MiB of 64) race the pre-faulting of their arena."""
+    async with HostTier(64 * MIB, prefault=True) as host:
+        host.arena("")  # pre-faulting starts
+        blobs = {f"k{i}".encode(): bytes([i % 251]) * 16 * PAGE for i in range(384)}
+        stored = []
+        for key, blob in blobs.items():
+            stored.append(await host.put(key, blob))
+            await asyncio.sleep(0)  # let the pre-faulting take turns
+        await host.prefaulted()
+        assert all(stored)
+        assert [await host.get(key) for key in blobs] == list(blobs.values())
+        assert held_bytes(host, "") <= 64 * MIB
+
+
+async def test_without_prefault_an_arena_holds_only_what_was_written() -> None:
+    async with HostTier(48 * MIB) as host:
+        await host.put(b"k", b"x" * 2 * PAGE)
+        assert held_bytes(host, "") == 2 * PAGE
+
+
 @pytest.mark.parametrize("other_user", [False, True])
 async def test_a_client_cannot_write_resize_or_reopen_the_arena(other_user: bool) -> None:
     if other_user and os.geteuid() != 0:
