@@ -17,9 +17,9 @@ message; the connector turns the stored part of that prefill into a load. Primit
   and the context it was cut from (``TurnPlan.salt``, carried by the session into its later
   turns): only this session finds it, and an exact prefill of the same tokens never loads it.
 - :class:`ChatServer`: sessions and a FIFO of queued turns. As each turn starts it sends
-  the daemon a prefetch hint for the next ``lookahead`` queued sessions (once the turn's own
-  blocks are leased), so their blocks move from SSD to the host tier while this turn
-  computes.
+  the daemon a prefetch hint for the queued turns that just entered the look-ahead (the
+  next ``lookahead``; each is named once), after the turn's own blocks are leased, so their
+  blocks move from SSD to the host tier while this turn computes.
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ class ChatServer:
         self.lookahead = lookahead
         self.sessions: dict[str, ChatSession] = {}
         self._queue: deque[tuple[ChatSession, list[int]]] = deque()
+        self._hinted = 0  # the first this many queued turns were named in hints
         self._ids = itertools.count()
 
     def session(self, session_id: str) -> ChatSession:
@@ -230,6 +231,7 @@ class ChatServer:
             IndexError: Nothing is queued.
         """
         session, message = self._queue.popleft()
+        self._hinted = max(0, self._hinted - 1)  # the turns hinted at the queue's head
         self._hint_queued()
         plan = self.plan(session, message)
         request = Request(
@@ -277,10 +279,13 @@ class ChatServer:
 
     def _hint_queued(self) -> None:
         """Tells the daemon which sessions run after this turn, with the keys they will look
-        up; sent once this turn's own blocks are leased, so they cannot evict them."""
+        up; sent once this turn's own blocks are leased, so they cannot evict them. Each
+        queued turn is named once, as it enters the look-ahead (naming the whole look-ahead
+        on every turn re-promoted what the turns between had pushed out)."""
         if self.connector is None or self.lookahead <= 0:
             return
-        for session, message in itertools.islice(self._queue, self.lookahead):
+        start, self._hinted = self._hinted, min(len(self._queue), self.lookahead)
+        for session, message in itertools.islice(self._queue, start, self.lookahead):
             plan = self.plan(session, message)
             keys = [block.key for block in plan.reuse] or block_keys(
                 plan.prompt, self.connector.namespace, plan.salt

@@ -204,9 +204,11 @@ def test_queued_sessions_named_in_hints_are_found_in_the_host_tier(
     tmp_path: Path, models: TinyModels, lookahead: int
 ) -> None:
     # A block is 8 KiB; the host keeps about 10 of the 16 blocks four sessions store:
-    # room for the running session and the next one, not for all.
+    # room for the running session and the next one, not for all. A hint may promote half
+    # of it (one session's 4 blocks; the default quarter is 3 blocks of so small a tier).
+    hints = {"eviction": {"hint_share": 0.5}}
     with (
-        running_daemon(tmp_path, host_capacity="96KiB") as daemon,
+        running_daemon(tmp_path, host_capacity="96KiB", settings=hints) as daemon,
         KVStoreClient(daemon.address, retries=0, timeout=5.0) as client,
     ):
         engine, connector = store_engine(models.engine, client, "tiers")

@@ -160,10 +160,8 @@ async def test_prefault_fills_a_new_arena_and_the_partitions_stay_within_capacit
     """The first arena is faulted in whole, in the background, while puts go on; a second
     partition's puts take pages from it (released there), so the memory the arenas hold
     together never exceeds the capacity; a closed tier stops pre-faulting."""
-    capacity = 48 * MIB  # three prefault chunks
-    async with HostTier(
-        capacity, partition_of=lambda key: key[:1].decode(), prefault=True
-    ) as host:
+    capacity = 48 * MIB  # sixteen pre-fault chunks of 3 MiB
+    async with HostTier(capacity, partition_of=lambda key: key[:1].decode(), prefault=True) as host:
         await host.put(b"a0", b"A" * PAGE)  # creates arena a: its pre-faulting starts
         await host.prefaulted()
         # All but the slab a0's put carved before pre-faulting began (3 MiB here).
