@@ -37,6 +37,7 @@ includes the load average before the run: other processes on the cores skew both
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -45,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -379,9 +380,19 @@ def percentiles_ms(seconds: Sequence[float]) -> tuple[float, float]:
 # Running and reporting -------------------------------------------------------------------
 
 
-async def bench_all(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[Latency]]:
-    counts = {size: args.blocks or default_blocks(size) for size in args.sizes}
-    arena_bytes = 2 * max(size * count for size, count in counts.items()) + 64 * MIB
+@dataclass(frozen=True, slots=True)
+class Servers:
+    """The daemon and the raw server, serving: their addresses and the message-size limit."""
+
+    daemon: str
+    raw: str
+    max_message_bytes: int
+
+
+@contextlib.asynccontextmanager
+async def servers(scratch: Path, arena_bytes: int) -> AsyncIterator[Servers]:
+    """Starts the daemon (an ``arena_bytes`` host tier) and the raw server on unix sockets
+    in ``scratch``, waits until both serve, and stops them on exit."""
     config, sock, raw_sock = (
         scratch / name for name in ("kvstore.toml", "kvstore.sock", "raw.sock")
     )
@@ -395,14 +406,21 @@ async def bench_all(args: argparse.Namespace, scratch: Path) -> tuple[list[Row],
     async with child(serve, logs[0]) as daemon, child(raw_server, logs[1]) as raw_server_proc:
         await serving(daemon, f"unix:{sock}", logs[0])
         await serving(raw_server_proc, f"unix:{raw_sock}", logs[1])
+        yield Servers(f"unix:{sock}", f"unix:{raw_sock}", limit)
+
+
+async def bench_all(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[Latency]]:
+    counts = {size: args.blocks or default_blocks(size) for size in args.sizes}
+    arena_bytes = 2 * max(size * count for size, count in counts.items()) + 64 * MIB
+    async with servers(scratch, arena_bytes) as up:
         staging = arena_bytes // 2
         async with (
-            AsyncKVStoreClient(f"unix:{sock}", timeout=60, staging_bytes=staging) as shm,
-            AsyncKVStoreClient(f"unix:{sock}", timeout=60, verify=True) as verified,
-            AsyncKVStoreClient(f"unix:{sock}", use_shm=False, timeout=60) as stream,
+            AsyncKVStoreClient(up.daemon, timeout=60, staging_bytes=staging) as shm,
+            AsyncKVStoreClient(up.daemon, timeout=60, verify=True) as verified,
+            AsyncKVStoreClient(up.daemon, use_shm=False, timeout=60) as stream,
         ):
             expect(shm.data_plane == "shm", "the client has no shm session")
-            raw = RawClient(f"unix:{raw_sock}", limit)
+            raw = RawClient(up.raw, up.max_message_bytes)
             try:
                 chunk = shm.server_info.chunk_bytes
                 clients = Clients(shm, verified, stream, raw, chunk)
