@@ -4,6 +4,7 @@ walk, under random copy events."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 from collections import Counter
 
@@ -135,3 +136,22 @@ class IndexEvents(RuleBasedStateMachine):
 
 IndexEvents.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 test_leaf_events_match_a_brute_force_walk = IndexEvents.TestCase
+
+
+def test_nodes_share_their_meta_and_tier_sets() -> None:
+    """A node is the one object per block the garbage collector tracks: equal BlockMetas and
+    equal tier sets are one object each (a full collection's cost is per tracked object)."""
+    index = RadixIndex()
+    nodes = []
+    for i in range(500):
+        meta = BlockMeta(NAMESPACE, 4, LAYOUT)  # a new, equal object per put, as the wire gives
+        node = index.begin((i + 1).to_bytes(32, "big"), b"\0" * 32, meta, 64)
+        for tier in TIERS[: i % 3 + 1]:
+            index.add_copy(node, tier)
+        if i % 5 == 0:
+            index.drop_copy(node, "host")
+        nodes.append(node)
+    assert len({id(node.meta) for node in nodes}) == 1
+    assert len({id(node.tiers) for node in nodes}) == len({node.tiers for node in nodes}) == 6
+    children = index._children.values()  # parent -> children: dicts of bytes only
+    assert children and not any(gc.is_tracked(ids) for ids in children)
