@@ -20,6 +20,7 @@ from kvstore.client import (
     WriteStatus,
     block_keys,
 )
+from kvstore.client.shm import Arena
 from tests.support.daemon import Daemon
 
 
@@ -163,21 +164,35 @@ async def test_a_failing_caller_inside_view_still_releases_the_lease(
 
 
 async def test_a_cancelled_get_releases_its_lease(
-    client: AsyncKVStoreClient, namespace: Namespace
+    client: AsyncKVStoreClient, namespace: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A get cancelled while it holds its lease (stopped in its copy out of the arena, a
+    fault injected there) releases the lease; the next get reads the same bytes."""
     keys, blocks = chain(namespace, 8), payloads(namespace, 8)
     await client.put(namespace, keys, blocks)
-    for _ in range(5):
+    copying, never = asyncio.Event(), asyncio.Event()
+    read = Arena.read
+
+    async def stuck(self: Arena, slots: object) -> list[bytes]:
+        copying.set()
+        await never.wait()
+        raise AssertionError("the copy was not cancelled")
+
+    monkeypatch.setattr(Arena, "read", stuck)
+    for _ in range(3):
+        copying.clear()
         task = asyncio.create_task(client.get(namespace, keys))
-        await asyncio.sleep(0.002)
+        await asyncio.wait_for(copying.wait(), 10.0)  # leased, in the copy
+        assert (await client.stats()).active_leases == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    for _ in range(100):
-        if (await client.stats()).active_leases == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert (await client.stats()).active_leases == 0
+        for _ in range(100):
+            if (await client.stats()).active_leases == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await client.stats()).active_leases == 0
+    monkeypatch.setattr(Arena, "read", read)
     assert await client.get(namespace, keys) == blocks
 
 
