@@ -20,7 +20,10 @@ Sections, each printed as a table, in this order:
   measured twice: the growth of the process's anonymous resident memory (``RssAnon``; the
   payloads live in the tier's memfd arena, counted apart as ``RssShmem``) and, in a second
   fill under ``tracemalloc``, the Python allocations the store holds, by the file that made
-  them. Both per block held.
+  them. Both per block held. Then the cost of one full garbage collection: of the process
+  with its modules loaded and an empty store, and with the store full after the start-up
+  objects were frozen out of collections as the daemon does (``collector.freeze``), beside
+  the objects the collector tracks per block.
 - clients: a real daemon (as ``daemon.py`` starts it: host tier only, a unix socket) and
   1, 4 and 16 (``--clients``) clients of it at once in this process, each with its own
   connection, shm session and chain of ``--client-mb`` MiB in 2 MiB blocks: the aggregate
@@ -74,6 +77,7 @@ from kvstore.defaults import tune_allocator
 from kvstore.index import BlockMeta
 from kvstore.policies import eviction_policy, write_policy
 from kvstore.store import Block, BlockStore, StoreTier
+from kvstore.tiers import collector
 from kvstore.tiers.host import HostTier
 from tiers import GB, MIB, Step, expect, progress, run_rounds
 
@@ -278,8 +282,8 @@ class MemoryRow:
     traced_per_block: float  # tracemalloc: live Python allocations the store made
     parts: dict[str, float]  # traced bytes per block, by PARTS (then "other")
     gc_objects_per_block: float  # objects the cyclic garbage collector tracks
-    gc_empty_ms: float  # one full collection (gc.collect()) before the fill, median of 3
-    gc_full_ms: float  # ... and with the store full
+    gc_empty_ms: float  # one full collection (gc.collect()), the store empty, median of 3
+    gc_full_ms: float  # ... the store full, start-up objects frozen (as in the daemon)
 
 
 def resident() -> dict[str, int]:
@@ -319,10 +323,13 @@ def full_collection() -> tuple[float, int]:
 async def memory_row(shape: Shape, blocks: int, chain: int) -> MemoryRow:
     """The store of ``blocks`` blocks filled twice: RSS and full collections first, then
     under tracemalloc."""
-    (empty_ms, empty_objects), before = full_collection(), resident()
+    empty_ms, _ = full_collection()
+    collector.freeze()  # as the daemon does once its store has started
+    (_, empty_objects), before = full_collection(), resident()
     store = await held(shape, blocks, chain)
     after, (full_ms, full_objects) = resident(), full_collection()
     await store.aclose()
+    gc.unfreeze()
     del store
     gc.collect()
     tracemalloc.start()
@@ -360,7 +367,7 @@ def child_memory(block_bytes: int, blocks: int, chain: int) -> dict[str, object]
 
 def memory_table(rows: Sequence[MemoryRow]) -> str:
     header = ("blocks", "chain", "block bytes", "RssAnon B/block", "arena B/block (payload)",
-              "traced B/block", "gc objects/block", "full gc ms, empty / full",
+              "traced B/block", "gc objects/block", "full gc ms, empty / full (frozen start)",
               "traced by part, B/block")  # fmt: skip
 
     def opt(value: float | None) -> str:

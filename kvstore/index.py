@@ -28,6 +28,9 @@ Primitives:
   holds (``children_in(block_id, tier)``, O(1)), and tells ``leaf_events`` (a
   :class:`LeafEvents`) each time a node becomes or stops being a leaf of a tier, so the
   eviction order holds candidates only and never scans past a chain's ancestors.
+
+Nodes and the dicts holding them are untracked by the cyclic garbage collector
+(:mod:`kvstore.tiers.collector`): a full collection never walks the blocks held.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Protocol
 
 from kvstore.blocks import BlockLayout
 from kvstore.errors import InvalidBlockError
+from kvstore.tiers import collector
 
 ID_BYTES = 64
 
@@ -171,8 +175,19 @@ class RadixIndex:
         meta = self._metas.setdefault(meta, meta)
         node = Node(key=key, parent=parent, meta=meta, size=size, id=block_id(key, meta.namespace))
         self._nodes[node.id] = node
-        self._spaces.setdefault(meta.namespace, {})[key] = node
-        self._children.setdefault(node.parent_id, {})[node.id] = None
+        space = self._spaces.get(meta.namespace)
+        if space is None:
+            space = self._spaces[meta.namespace] = {}
+        space[key] = node
+        siblings = self._children.get(node.parent_id)
+        if siblings is None:
+            siblings = self._children[node.parent_id] = {}
+            collector.untrack(self._children)
+        siblings[node.id] = None
+        # The node refers to bytes, shared values and dicts of atoms, and the dicts hold
+        # nodes or atoms only: no cycle to find, so the garbage collector never walks them.
+        for obj in (node, self._nodes, space, self._spaces):
+            collector.untrack(obj)
         for child in self._children.get(node.id, ()):  # children that came first
             for tier in self._nodes[child].tiers:
                 self._count_child(node, tier, +1)

@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstore.tiers import collector
+
 
 @dataclass(frozen=True, slots=True)
 class WritePolicy:
@@ -126,7 +128,10 @@ class LruPolicy:
         self._order: dict[str, OrderedDict[bytes, None]] = {}
 
     def inserted(self, tier: str, key: bytes, *, first: bool = False) -> None:
-        order = self._order.setdefault(tier, OrderedDict())
+        order = self._order.get(tier)
+        if order is None:
+            order = self._order[tier] = OrderedDict()
+            collector.untrack(order)  # bytes only: nothing for the garbage collector to walk
         order[key] = None
         order.move_to_end(key, last=not first)
 

@@ -39,6 +39,7 @@ from kvstore.sessions import SessionServer
 from kvstore.shm_wire import session_path
 from kvstore.sockets import prepare_socket_path, unix_path
 from kvstore.store import BlockStore
+from kvstore.tiers import collector
 
 __all__ = ["STATUS_CODES", "Authenticator", "RunningServer", "create_server", "serve"]
 
@@ -257,6 +258,8 @@ async def serve(config: Config) -> None:
     await store.start()
     try:
         running = await create_server(config, store)
+        frozen = collector.freeze()
+        log.info("garbage collector: %d start-up objects frozen out of full collections", frozen)
         try:
             await _until_signalled((signal.SIGTERM, signal.SIGINT))
             log.info("shutting down (grace %.1fs)", config.server.shutdown_grace)

@@ -39,6 +39,8 @@ import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from . import collector
+
 MIB = 1024 * 1024
 DEFAULT_SLAB_BYTES = 64 * MIB
 MIN_SLABS = 16  # a default slab is at most 1/16 of the arena, so small arenas mix classes
@@ -242,7 +244,12 @@ class ArenaAllocator:
             self._close_slab(slab)
         self._live[page] = slab
         self._used_pages += pages
-        return Slot(page * self.page_bytes, length)
+        slot = Slot(page * self.page_bytes, length)
+        # Slots hold ints, and _live holds slabs that refer to nothing else: no cycles for
+        # the garbage collector to find there, so it never walks a slot per block.
+        collector.untrack(slot)
+        collector.untrack(self._live)
+        return slot
 
     def free(self, slot: Slot) -> None:
         """Gives a live slot back; its slab's extent returns to the free list once empty.

@@ -54,6 +54,7 @@ from typing import ParamSpec, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from . import collector
 from .allocator import ArenaAllocator, Slot
 from .base import (
     BlobTooLargeError,
@@ -355,6 +356,7 @@ class HostTier:
             raise
         old = self._committed.get(key)
         self._committed[key] = slot
+        collector.untrack(self._committed)
         if old is not None:
             self._release(old)
         return True
@@ -490,6 +492,7 @@ class HostTier:
         if slot is None:
             raise ReservationNotFoundError(f"{self.name}: key {key.hex()} is not reserved")
         self._committed[key] = slot
+        collector.untrack(self._committed)
         return slot
 
     def abort(self, key: bytes) -> bool:
@@ -631,6 +634,9 @@ class HostTier:
         for other, start, stop in self._resident.claim(slot.offset, end, arena):
             other.punch(start, stop - start)
         self._owner[slot.offset] = arena
+        # Per-slot maps of untracked slots and of arenas (which refer to no slot map): kept
+        # out of the garbage collector's walks (see kvstore.tiers.collector).
+        collector.untrack(self._owner)
         return slot
 
     def _release(self, slot: Slot) -> None:

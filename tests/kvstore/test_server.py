@@ -31,6 +31,7 @@ from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.server import RunningServer, create_server
 from kvstore.shm_wire import Hello
 from kvstore.store import BlockStore
+from kvstore.tiers import collector
 
 MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
                          dtype="float16", block_tokens=16)  # fmt: skip
@@ -275,6 +276,28 @@ async def test_abort_prefetch_delete_and_stats(kv: Daemon) -> None:
     assert (stats.active_reservations, stats.active_leases) == (0, 0)
     assert [t.name for t in stats.tiers] == ["host", "ssd"]
     assert stats.tiers[0].capacity_bytes == 4 << 20
+
+
+async def test_blocks_put_and_read_over_grpc_add_nothing_to_full_collections(kv: Daemon) -> None:
+    """The daemon's whole path (streamed puts evicting from host to SSD, lookups, gets that
+    promote back) leaves nothing per block for the cyclic collector to walk."""
+    stub = kv.stub(kv.running.addresses[0])
+    ns = await register(stub)
+    chains = [blocks_of("", 20, salt) for salt in range(40)]
+    await stub.Put(put_chunks(ns, chains[0]))
+    before = collector.tracked_entries()
+    for blocks in chains[1:]:
+        reply = await stub.Put(put_chunks(ns, blocks))
+        assert list(reply.statuses) == [pb.STORED] * 20
+    for blocks in chains[::5]:
+        found = await stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks)))
+        assert found.num_blocks == 20
+        got = await get_payloads(stub, ns, keys(blocks))
+        assert [got[i][0] for i in range(20)] == [payload for _, payload in blocks]
+    held = len(kv.store.index)
+    after = collector.tracked_entries()
+    assert held == 800
+    assert after - before < 300, f"{after - before} more references to walk for {held} blocks"
 
 
 # -- errors ---------------------------------------------------------------------------------
