@@ -392,6 +392,11 @@ def validate(config: Config) -> None:
         token, _, tenant = entry.partition(":")
         if not token or not tenant:
             raise ConfigError(f"auth.tokens entries must look like 'token:tenant', got {entry!r}")
+    if config.ssd.enabled and not config.ssd.directory.strip():
+        raise ConfigError(
+            "ssd.directory is empty: name a directory for the SSD tier's files "
+            "(or set ssd.enabled = false)"
+        )
     if config.redis.pool_size < 1:
         raise ConfigError(f"redis.pool_size must be >= 1, got {config.redis.pool_size}")
     _check_tiers(config)

@@ -93,6 +93,7 @@ def test_environment_overrides_file_and_flags_override_environment(tmp_path: Pat
         ("[eviction]\nhint_share = 0\n", r"eviction\.hint_share must be in \(0, 1\], got 0"),
         ("[eviction]\nhint_rate = 2.5\n", r"eviction\.hint_rate must be in \(0, 1\], got 2\.5"),
         ("[ssd]\nselective_hits = 0\n", r"ssd\.selective_hits must be >= 1, got 0"),
+        ('[ssd]\ndirectory = " "\n', r"ssd\.directory is empty: name a directory"),
         ("ssd = 3\n", r"section 'ssd' must be a table, got 3"),
         ('[host]\nttl = "soon"\n', r"host\.ttl: expected a duration.*'soon'"),
         ("[host]\ncapacity = 0\n", r"host\.capacity must be positive, got 0"),
