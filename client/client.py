@@ -178,8 +178,7 @@ class AsyncKVStoreClient:
             request = pb.LookupRequest(namespace=digest, keys=keys)
             return await self._conn.unary("Lookup", request, pb.LookupResponse, idempotent=True)
 
-        reply = await self._conn.in_namespace(namespace, lookup)
-        return LookupResult(reply.num_blocks, tuple(reply.tiers))
+        return wire.lookup_result(await self._conn.in_namespace(namespace, lookup), len(keys))
 
     async def prefetch(
         self, session_id: str, namespace: Namespace, chains: Sequence[Sequence[bytes]]

@@ -181,6 +181,23 @@ def stats(reply: pb.StatsResponse) -> Stats:
     return Stats(tiers=tiers, **counters)
 
 
+def lookup_result(reply: pb.LookupResponse, num_keys: int) -> LookupResult:
+    """The lookup's answer (``ProtocolError`` when its runs do not add up to its count, or
+    it claims more blocks than keys were asked for). A daemon from before runs sends one
+    tier per block instead."""
+    if reply.runs:
+        runs = tuple((run.tier, run.blocks) for run in reply.runs)
+        result = LookupResult(sum(count for _, count in runs), runs)
+    else:
+        result = LookupResult.of_tiers(reply.tiers)
+    if result.num_blocks != reply.num_blocks or reply.num_blocks > num_keys:
+        raise ProtocolError(
+            f"lookup answered {reply.num_blocks} blocks of {num_keys} keys, with tiers "
+            f"for {result.num_blocks}"
+        )
+    return result
+
+
 def write_statuses(values: Sequence[int], count: int) -> list[WriteStatus]:
     """Final statuses, one per block (``ProtocolError`` on a wrong count or value)."""
     if len(values) != count:

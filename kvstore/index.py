@@ -301,16 +301,36 @@ class RadixIndex:
 
     def match(self, keys: Sequence[bytes], namespace: bytes) -> list[Node]:
         """The committed nodes of ``namespace`` for the longest prefix of ``keys`` it holds."""
+        return self.match_runs(keys, namespace)[0]
+
+    def match_runs(
+        self, keys: Sequence[bytes], namespace: bytes
+    ) -> tuple[list[Node], list[tuple[frozenset[str], int]]]:
+        """:meth:`match`, and the matched nodes' tier sets as runs in key order: one
+        ``(tiers, count)`` per change of tier set (a lookup's answer, without a pass per
+        block to make it)."""
         matched: list[Node] = []
+        runs: list[tuple[frozenset[str], int]] = []
         space = self._spaces.get(namespace)
         if space is None:
-            return matched
+            return matched, runs
+        last: frozenset[str] | None = None
+        start = 0
         for key in keys:  # the checks of committed() inline: this runs per lookup key
             node = space.get(key)
-            if node is None or not node.committed or node.doomed or not node.tiers:
+            if node is None or not node.committed or node.doomed:
                 break
+            tiers = node.tiers
+            if tiers is not last:  # tier sets are shared objects (see _tier_set)
+                if not tiers:
+                    break
+                if last is not None:
+                    runs.append((last, len(matched) - start))
+                last, start = tiers, len(matched)
             matched.append(node)
-        return matched
+        if last is not None:
+            runs.append((last, len(matched) - start))
+        return matched, runs
 
     def subtree(self, block: bytes) -> list[Node]:
         """The node of ``block`` and all its descendants, children before parents."""

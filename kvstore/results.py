@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvstore.index import BlockMeta
@@ -20,8 +22,28 @@ class PutStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
+    """How many leading blocks of a chain are held, and where: ``runs`` gives the highest
+    tier holding each, in key order, a run per change of tier (``(("host", 30), ("ssd",
+    2))``: 30 blocks on host, then 2 whose highest copy is on SSD). Runs are never empty and
+    neighbours name different tiers; their blocks add up to ``num_blocks``."""
+
     num_blocks: int
-    tiers: tuple[str, ...]  # per matched block, the highest tier holding it
+    runs: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of_tiers(cls, tiers: Iterable[str]) -> LookupResult:
+        """The result for these per-block tiers."""
+        runs = tuple((tier, len(list(group))) for tier, group in itertools.groupby(tiers))
+        return cls(sum(count for _, count in runs), runs)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Per matched block, the highest tier holding it."""
+        return tuple(itertools.chain.from_iterable(itertools.repeat(t, n) for t, n in self.runs))
+
+    def below(self, tier: str) -> int:
+        """Matched blocks whose highest copy is not in ``tier``."""
+        return sum(count for name, count in self.runs if name != tier)
 
 
 @dataclass(frozen=True, slots=True)

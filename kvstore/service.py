@@ -605,7 +605,7 @@ class KVStoreService:
         count = 0
         for chain in chains:
             found = await self._store.lookup(chain, namespace)
-            below = sum(tier != top for tier in found.tiers)
+            below = found.below(top)
             if below:
                 queued.append(chain[: found.num_blocks])
                 count += below

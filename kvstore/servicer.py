@@ -191,7 +191,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         async with self._call(context) as tenant:
             request = checked(request, pb.LookupRequest)
             found = await self._service.lookup(request.namespace, list(request.keys), tenant=tenant)
-            return pb.LookupResponse(num_blocks=found.num_blocks, tiers=found.tiers)
+            runs = [pb.TierRun(tier=tier, blocks=count) for tier, count in found.runs]
+            return pb.LookupResponse(num_blocks=found.num_blocks, runs=runs)
 
     async def Acquire(self, request: object, context: Context) -> pb.AcquireResponse:
         async with self._call(context) as tenant:

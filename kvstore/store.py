@@ -58,7 +58,14 @@ from kvstore.results import (
     TierStats,
 )
 from kvstore.tasks import finish_anyway
-from kvstore.tiering import YIELD_EVERY, Placement, StoreTier, checksum_of, tiers_from_config
+from kvstore.tiering import (
+    YIELD_EVERY,
+    Placement,
+    StoreTier,
+    add_run,
+    checksum_of,
+    tiers_from_config,
+)
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import ArenaHandle, HostTier
@@ -206,8 +213,8 @@ class BlockStore:
     def lookup_local(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
         """Leading blocks of ``keys`` that the local index holds (no I/O)."""
         self._check_open()
-        matched = self.index.match(keys, namespace)
-        return LookupResult(len(matched), tuple(self._placement.top_tier(node) for node in matched))
+        matched, runs = self.index.match_runs(keys, namespace)
+        return LookupResult(len(matched), tuple(self._placement.top_runs(runs)))
 
     async def lookup(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
         """Leading blocks of ``keys`` held here or, past the local prefix, in shared tiers.
@@ -216,16 +223,19 @@ class BlockStore:
         stored header before handing bytes out.
         """
         local = self.lookup_local(keys, namespace)
+        shared = [slot for slot in self._tiers if slot.shared]
+        if not shared or local.num_blocks == len(keys):
+            return local
         rest = [key + namespace for key in keys[local.num_blocks :]]
-        tiers = list(local.tiers)
-        for slot in self._tiers:
-            if not rest or not slot.shared:
-                continue
+        runs, held = list(local.runs), local.num_blocks
+        for slot in shared:
+            if not rest:
+                break
             found = await slot.tier.contains_many(rest)
             count = next((i for i, hit in enumerate(found) if not hit), len(found))
-            tiers += [slot.name] * count
-            rest = rest[count:]
-        return LookupResult(len(tiers), tuple(tiers))
+            add_run(runs, slot.name, count)
+            held, rest = held + count, rest[count:]
+        return LookupResult(held, tuple(runs))
 
     async def get(self, key: bytes, namespace: bytes) -> Block | None:
         """The block of ``key`` in ``namespace`` (a verified copy of its raw payload), or

@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -85,6 +85,17 @@ async def offload(size: int, fn: Callable[..., T], *args: object, **kwargs: obje
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+def add_run(runs: list[tuple[str, int]], tier: str, count: int) -> None:
+    """Appends ``count`` blocks of ``tier`` to ``runs``, merged into the last run if it has
+    the same tier."""
+    if not count:
+        return
+    if runs and runs[-1][0] == tier:
+        runs[-1] = (tier, runs[-1][1] + count)
+    else:
+        runs.append((tier, count))
+
+
 async def checksum_of(payload: Buffer) -> int:
     """The payload's xxh3-64, computed in a worker thread when it is large."""
     return await offload(memoryview(payload).nbytes, payload_checksum, payload)
@@ -105,6 +116,7 @@ class Placement:
         self.policy = policy
         self.counts = counts
         self._by_name = {slot.name: slot for slot in tiers}
+        self._tops: dict[frozenset[str], str] = {}  # a node's tier set -> its highest tier
         self.pending: set[asyncio.Task[Any]] = set()  # flights and work finishing anyway
         index.leaf_events = self
 
@@ -479,14 +491,27 @@ class Placement:
 
     def top_tier(self, node: Node) -> str:
         """The name of the highest tier holding ``node`` (it must be in one)."""
-        held = node.tiers
-        if len(held) == 1:  # the common case, one copy: no need to walk the tiers
-            return next(iter(held))
-        for slot in self.tiers:  # a plain loop: this runs per block of every lookup
-            name = slot.tier.name
-            if name in held:
-                return name
-        raise LookupError(f"block {node.id.hex()[:16]} is in no tier")
+        return self._top(node.tiers)
+
+    def top_runs(self, runs: Sequence[tuple[frozenset[str], int]]) -> list[tuple[str, int]]:
+        """Runs of tier sets (``RadixIndex.match_runs``) as runs of the highest tier in each,
+        neighbours with the same highest tier merged."""
+        named: list[tuple[str, int]] = []
+        for tiers, count in runs:
+            add_run(named, self._top(tiers), count)
+        return named
+
+    def _top(self, tiers: frozenset[str]) -> str:
+        top = self._tops.get(tiers)
+        if top is None:
+            top = self._tops[tiers] = self._highest(tiers)
+        return top
+
+    def _highest(self, tiers: frozenset[str]) -> str:
+        for slot in self.tiers:
+            if slot.name in tiers:
+                return slot.name
+        raise LookupError(f"no tier of {sorted(tiers)} is a tier of this store")
 
     async def rebuild_from(self, slot: StoreTier) -> None:
         """Re-adds the blocks a persistent tier holds (their headers carry key, parent,

@@ -37,7 +37,7 @@ def test_the_blocking_client_does_what_the_async_one_does(
         assert client.health()
         assert client.lookup(namespace, keys) == 0
         assert client.put(namespace, keys[:2], blocks[:2]) == [WriteStatus.STORED] * 2
-        assert client.lookup_tiers(namespace, keys) == LookupResult(2, ("host", "host"))
+        assert client.lookup_tiers(namespace, keys) == LookupResult(2, (("host", 2),))
         assert client.get(namespace, keys) == blocks[:2]
 
         out = [torch.empty(len(blocks[0]), dtype=torch.uint8) for _ in keys]

@@ -98,6 +98,20 @@ def test_write_statuses_must_be_final_and_one_per_block() -> None:
         wire.write_statuses([pb.RESERVED], 1)
 
 
+def test_lookup_answers_are_runs_checked_against_their_count() -> None:
+    runs = [pb.TierRun(tier="host", blocks=3), pb.TierRun(tier="ssd", blocks=2)]
+    found = wire.lookup_result(pb.LookupResponse(num_blocks=5, runs=runs), 8)
+    assert (found.num_blocks, found.runs) == (5, (("host", 3), ("ssd", 2)))
+    assert found.tiers == ("host",) * 3 + ("ssd",) * 2
+    old = wire.lookup_result(pb.LookupResponse(num_blocks=2, tiers=["host", "ssd"]), 2)
+    assert old.runs == (("host", 1), ("ssd", 1))  # a daemon from before runs
+    assert wire.lookup_result(pb.LookupResponse(num_blocks=0), 4).runs == ()
+    with pytest.raises(ProtocolError, match="answered 6 blocks of 8 keys, with tiers for 5"):
+        wire.lookup_result(pb.LookupResponse(num_blocks=6, runs=runs), 8)
+    with pytest.raises(ProtocolError, match="answered 5 blocks of 4 keys"):
+        wire.lookup_result(pb.LookupResponse(num_blocks=5, runs=runs), 4)
+
+
 def test_slots_are_checked_against_the_arena_and_the_block_size() -> None:
     fd = os.memfd_create("arena")
     os.ftruncate(fd, 1 << 16)

@@ -198,7 +198,8 @@ async def test_streamed_put_and_get_are_bit_exact(kv: Daemon, address: str) -> N
     reply = await stub.Put(put_chunks(ns, blocks[:1]))
     assert list(reply.statuses) == [pb.DEDUP]
     found = await stub.Lookup(pb.LookupRequest(namespace=ns, keys=[*keys(blocks), b"\0" * 32]))
-    assert (found.num_blocks, list(found.tiers)) == (3, ["host"] * 3)
+    assert (found.num_blocks, [(r.tier, r.blocks) for r in found.runs]) == (3, [("host", 3)])
+    assert not found.tiers  # one run, not a tier per block
     got = await get_payloads(stub, ns, [*keys(blocks[:2]), b"\1" * 32, blocks[2][0].key])
     assert got == {0: (blocks[0][1], "host"), 1: (blocks[1][1], "host")}  # stops at a miss
 
@@ -280,24 +281,26 @@ async def test_abort_prefetch_delete_and_stats(kv: Daemon) -> None:
 
 async def test_blocks_put_and_read_over_grpc_add_nothing_to_full_collections(kv: Daemon) -> None:
     """The daemon's whole path (streamed puts evicting from host to SSD, lookups, gets that
-    promote back) leaves nothing per block for the cyclic collector to walk."""
+    promote back) leaves nothing per block for the cyclic collector to walk: 2,000 blocks
+    add under a quarter of a reference each (a tracked node would add five; what does grow,
+    a few hundred, is gRPC's and asyncio's own state, whatever the number of blocks)."""
     stub = kv.stub(kv.running.addresses[0])
     ns = await register(stub)
-    chains = [blocks_of("", 20, salt) for salt in range(40)]
+    chains = [blocks_of("", 20, salt) for salt in range(100)]
     await stub.Put(put_chunks(ns, chains[0]))
     before = collector.tracked_entries()
     for blocks in chains[1:]:
         reply = await stub.Put(put_chunks(ns, blocks))
         assert list(reply.statuses) == [pb.STORED] * 20
-    for blocks in chains[::5]:
+    for blocks in chains[::10]:
         found = await stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks)))
         assert found.num_blocks == 20
         got = await get_payloads(stub, ns, keys(blocks))
         assert [got[i][0] for i in range(20)] == [payload for _, payload in blocks]
     held = len(kv.store.index)
     after = collector.tracked_entries()
-    assert held == 800
-    assert after - before < 300, f"{after - before} more references to walk for {held} blocks"
+    assert held == 2000
+    assert after - before < held / 4, f"{after - before} more references to walk, {held} blocks"
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -288,7 +288,7 @@ async def test_close_cancels_prefetches_in_flight(service, store, monkeypatch) -
     async def on_ssd(keys: object, namespace: bytes | None = None) -> object:
         from kvstore.results import LookupResult
 
-        return LookupResult(1, ("ssd",))
+        return LookupResult.of_tiers(("ssd",))
 
     monkeypatch.setattr(store, "prefetch", stuck)
     monkeypatch.setattr(store, "lookup", on_ssd)

@@ -11,6 +11,7 @@ replies hand out for later requests; :func:`broken_promise` says what is wrong w
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import random
@@ -214,10 +215,16 @@ def broken_promise(request: Message, reply: Reply) -> str | None:
         return None
     if isinstance(request, pb.LookupRequest):
         found = pb.LookupResponse.FromString(reply.messages[0])
-        if found.num_blocks > len(request.keys) or len(found.tiers) != found.num_blocks:
-            return (
-                f"{found.num_blocks} blocks, tiers {list(found.tiers)} for {len(request.keys)} keys"
-            )
+        runs = [(run.tier, run.blocks) for run in found.runs]
+        tiers = [tier for tier, _ in runs]
+        if (
+            found.num_blocks > len(request.keys)
+            or sum(count for _, count in runs) != found.num_blocks
+            or any(count == 0 for _, count in runs)
+            or any(a == b for a, b in itertools.pairwise(tiers))
+            or found.tiers
+        ):
+            return f"{found.num_blocks} blocks, runs {runs} for {len(request.keys)} keys"
     elif isinstance(request, pb.AcquireRequest):
         acquired = pb.AcquireResponse.FromString(reply.messages[0])
         slots = len(acquired.slots)

@@ -105,12 +105,22 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_blocks", "tiers")
+    __slots__ = ("num_blocks", "tiers", "runs")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[TierRun]
+    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., runs: _Optional[_Iterable[_Union[TierRun, _Mapping]]] = ...) -> None: ...
+
+class TierRun(_message.Message):
+    __slots__ = ("tier", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    blocks: int
+    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("offset", "length")
