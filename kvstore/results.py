@@ -51,7 +51,9 @@ class Block:
     key: bytes
     parent: bytes
     meta: BlockMeta
-    payload: bytes  # raw layer-major KV: [layer][k|v][kv_head][token][head_dim]
+    # raw layer-major KV: [layer][k|v][kv_head][token][head_dim]; a large block read from
+    # the host tier is a read-only view of a new buffer (one copy, hashed as it is made)
+    payload: bytes | memoryview
     tier: str  # where this read found it
     checksum: int = 0  # xxh3-64 of the payload
 

@@ -52,7 +52,7 @@ from kvstore.config import Config
 from kvstore.errors import InvalidBlockError
 from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
 from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
-from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.base import Buffer, HashedReads, Tier
 
 log = logging.getLogger(__name__)
 
@@ -208,22 +208,28 @@ class Placement:
                 stored = await self.store_in(slot, node, payload) or stored
         return stored
 
-    async def write_selective(self, node: Node, payload: bytes) -> None:
+    async def write_selective(self, node: Node, payload: Buffer) -> None:
         for slot in self.tiers[1:]:
             if slot.name not in node.tiers and slot.write.admits_on_hit(node.hits):
                 await self.store_in(slot, node, payload)
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def read_payload(self, slot: StoreTier, node: Node) -> bytes | None:
+    async def read_payload(self, slot: StoreTier, node: Node) -> bytes | memoryview | None:
         """The raw payload from ``slot``, verified; drops a missing or corrupt copy."""
-        blob = await slot.tier.get(node.id)
-        if blob is None:
+        got: tuple[bytes | memoryview, int | None] | None
+        if slot.codec is None and isinstance(slot.tier, HashedReads):
+            got = await slot.tier.get_hashed(node.id)  # copied and hashed in one pass
+        else:
+            whole = await slot.tier.get(node.id)
+            got = None if whole is None else (whole, None)
+        if got is None:
             self.lost_copy(slot, node)
             return None
+        blob, found = got
         try:
             if slot.codec is None:
-                found = await checksum_of(blob)
+                found = await checksum_of(blob) if found is None else found
                 if found != node.checksum:
                     raise ChecksumMismatchError(-1, node.checksum, found)
                 return blob
@@ -234,7 +240,7 @@ class Placement:
             return None
         return payload
 
-    async def read_any(self, node: Node) -> tuple[StoreTier, bytes] | None:
+    async def read_any(self, node: Node) -> tuple[StoreTier, bytes | memoryview] | None:
         for slot in self.tiers:
             if slot.name in node.tiers:
                 payload = await self.read_payload(slot, node)
@@ -311,7 +317,7 @@ class Placement:
 
     # -- promotion --------------------------------------------------------------------------
 
-    async def promote(self, node: Node, payload: bytes | None = None) -> bool:
+    async def promote(self, node: Node, payload: Buffer | None = None) -> bool:
         """Copies ``node`` up into the top tier (``payload``, already read and verified, or
         from the highest tier with a good copy); one promotion per block at a time, shared by
         every concurrent caller."""
@@ -320,7 +326,7 @@ class Placement:
             return True
         return await self.once(node, PROMOTE, lambda: self._promote(node, payload))
 
-    async def _promote(self, node: Node, payload: bytes | None) -> bool:
+    async def _promote(self, node: Node, payload: Buffer | None) -> bool:
         top = self.tiers[0]
         if top.name in node.tiers:
             return True

@@ -103,3 +103,10 @@ class Tier(Protocol):
     def capacity(self) -> int: ...
 
     def healthy(self) -> bool: ...
+
+
+@runtime_checkable
+class HashedReads(Protocol):
+    """A tier that can copy a raw blob and hash the copy (xxh3-64) in one pass."""
+
+    async def get_hashed(self, key: bytes) -> tuple[bytes | memoryview, int] | None: ...

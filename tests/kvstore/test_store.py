@@ -547,6 +547,29 @@ def test_the_eviction_order_holds_each_tiers_leaves_under_random_operations(
         asyncio.run(run(Path(directory)))
 
 
+async def test_a_large_host_block_changed_in_memory_is_dropped_not_served() -> None:
+    """Host reads of large blocks copy and hash in one pass (``get_hashed``): a byte changed
+    in the arena behind the index's back (the wrong-slot bug class) is caught there."""
+    layout = BlockLayout(num_layers=16, num_kv_heads=8, block_tokens=64, head_dim=128,
+                         dtype="float16")  # fmt: skip
+    meta = BlockMeta(NAMESPACE, layout.block_tokens, layout)
+    blocks = [(bytes([i]) * 32, os.urandom(layout.payload_bytes)) for i in (1, 2)]
+    host = HostTier(4 * layout.payload_bytes)
+    tiers = [StoreTier(host, None, write_policy("write_through", 1))]
+    async with BlockStore(tiers, eviction=LruPolicy()) as store:
+        for key, payload in blocks:
+            assert await store.put(key, ROOT_KEY, meta, payload) == PutStatus.STORED
+        good = await store.get(blocks[0][0], NAMESPACE)
+        assert good is not None and bytes(good.payload) == blocks[0][1]
+        slot = host.locate(blocks[1][0] + NAMESPACE)
+        assert slot is not None and slot.length >= 4 << 20
+        with memoryview(host._owner[slot.offset].map) as arena:
+            arena[slot.offset + 12345] ^= 0x01
+        assert await store.get(blocks[1][0], NAMESPACE) is None
+        assert store.stats().corrupt_blocks == 1
+        assert (await store.lookup([blocks[1][0]], NAMESPACE)).num_blocks == 0
+
+
 def top_tiers(store: BlockStore, keys: list[bytes]) -> tuple[str, ...]:
     """The highest tier of each leading held block, found one node at a time."""
     found = []

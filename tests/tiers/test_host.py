@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvstore.tiers import BlobTooLargeError, InvalidRangeError, TierClosedError
 from kvstore.tiers.host import (
     COPY_IN_THREAD_BYTES,
+    HASHED_CHUNK_BYTES,
     HostTier,
     InvalidBufferError,
     InvalidSlotError,
@@ -315,6 +317,34 @@ async def test_delete_during_a_large_get_keeps_its_bytes(tmp_path: Path) -> None
         assert host.usage() == 0
         assert await host.put(b"b", second)
         assert await host.get(b"b") == second
+
+
+@pytest.mark.parametrize("length", [0, 100, HASHED_CHUNK_BYTES + 1, 5 * MIB + 3])
+async def test_get_hashed_copies_and_hashes_in_one_pass(tier: HostTier, length: int) -> None:
+    blob = random.Random(length).randbytes(length)
+    assert await tier.get_hashed(b"k") is None
+    assert await tier.put(b"k", blob)
+    got = await tier.get_hashed(b"k")
+    assert got is not None
+    copy, digest = got
+    assert bytes(copy) == blob and digest == xxhash.xxh3_64_intdigest(blob)
+    if length >= COPY_IN_THREAD_BYTES:  # a view of its own buffer: no write reaches it
+        assert isinstance(copy, memoryview) and copy.readonly
+        assert await tier.put(b"k", bytes(length))
+        assert bytes(copy) == blob
+
+
+async def test_delete_during_a_large_hashed_get_keeps_its_bytes() -> None:
+    async with HostTier(BIG) as host:  # room for exactly one blob
+        first, second = os.urandom(BIG), os.urandom(BIG)
+        assert await host.put(b"a", first)
+        reading = asyncio.create_task(host.get_hashed(b"a"))
+        await asyncio.sleep(0)  # the copy has pinned its slot and runs in a thread
+        assert await host.delete(b"a")
+        assert await host.put(b"b", second) is False  # the slot is still being read
+        copy, digest = await reading
+        assert bytes(copy) == first and digest == xxhash.xxh3_64_intdigest(first)
+        assert await host.put(b"b", second)
 
 
 async def test_replace_during_large_gets_keeps_each_result_whole(tmp_path: Path) -> None:
