@@ -31,6 +31,7 @@ from typing import Final, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from kvstore import get_chunks
 from kvstore.client import wire
 from kvstore.client.errors import (
     TRANSIENT,
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 M = TypeVar("M", bound=Message)
 
+GET_METHOD: Final = "/kvstore.v1.KVStore/Get"
 _CHANNEL_OPTIONS: Final = [
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
@@ -132,6 +134,13 @@ class Connection:
         else:
             self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
+        # Get's chunks keep their data in the received message (one copy fewer than a
+        # protobuf message; see kvstore.get_chunks).
+        self._stub.Get = self._channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=get_chunks.decode,
+        )
         try:
             await self.refresh()
         except BaseException:

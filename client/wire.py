@@ -27,6 +27,7 @@ from kvstore.client.shm import (
     buffer_bytes,
     is_tensor,
 )
+from kvstore.get_chunks import GetChunk
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.results import LookupResult, TierStats
@@ -255,7 +256,7 @@ def _check_slot(slot: pb.Slot, size: int, arena: _Area) -> tuple[int, int]:
 
 
 async def assemble(
-    chunks: AsyncIterable[pb.GetChunk],
+    chunks: AsyncIterable[GetChunk | pb.GetChunk],
     count: int,
     size: int,
     out: Sequence[TargetT] | None,
@@ -265,7 +266,7 @@ async def assemble(
     """The blocks of a Get stream, new bytes or copied into ``out``; checks their order, and
     with ``verify`` each block's bytes against the checksum the daemon sent with it."""
     blocks: list[bytes] = []
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     target: memoryview | torch.Tensor | None = None
     digest = xxhash.xxh3_64()
     expected = 0
@@ -317,7 +318,7 @@ def _landing(target: Target) -> memoryview | torch.Tensor:
     return flat.data if isinstance(flat, np.ndarray) else flat
 
 
-def _copy_chunk(target: memoryview | torch.Tensor, start: int, data: bytes) -> None:
+def _copy_chunk(target: memoryview | torch.Tensor, start: int, data: bytes | memoryview) -> None:
     # One memcpy on this thread for host memory: torch's copy_ splits a 1 MiB chunk over its
     # intra-op threads, which costs more than the copy when the daemon busies the other core.
     if isinstance(target, memoryview):

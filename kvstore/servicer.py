@@ -26,6 +26,7 @@ from typing import TypeAlias, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kvstore import get_chunks
 from kvstore.blocks import BlockLayout
 from kvstore.checks import BlockSpec, check_spec
 from kvstore.errors import (
@@ -41,6 +42,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UnknownSessionError,
 )
+from kvstore.get_chunks import GetChunk
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
@@ -126,7 +128,10 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
         handlers[method.name] = kind(
             getattr(servicer, method.name),
             request_deserializer=_parser(request),
-            response_serializer=reply.SerializeToString,
+            # Get's chunks are written straight from the arena (see kvstore.get_chunks).
+            response_serializer=get_chunks.encode
+            if reply is pb.GetChunk
+            else reply.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
@@ -258,7 +263,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             )
             return pb.AbortResponse()
 
-    async def Get(self, request: object, context: Context) -> AsyncIterator[pb.GetChunk]:
+    async def Get(self, request: object, context: Context) -> AsyncIterator[GetChunk]:
         async with self._call(context) as tenant:
             request = checked(request, pb.GetRequest)
             namespace, keys = request.namespace, list(request.keys)
@@ -278,14 +283,17 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _chunks(
         self, index: int, payload: bytes | memoryview, tier: str, checksum: int
-    ) -> Iterator[pb.GetChunk]:
-        """One block's ``GetChunk`` messages, each holding a copy of its piece of ``payload``."""
-        size, step = len(payload), self._chunk_bytes
+    ) -> Iterator[GetChunk]:
+        """One block's chunks, each a view of its piece of ``payload``: the serializer
+        (``get_chunks.encode``) copies it into the message, before the stream goes on (and
+        before a leased slot is released)."""
+        view = memoryview(payload).cast("B")
+        size, step = view.nbytes, self._chunk_bytes
         for start in range(0, max(size, 1), step):
             first = start == 0
-            yield pb.GetChunk(
+            yield GetChunk(
                 index=index,
-                data=bytes(payload[start : start + step]),  # a bytes slice is kept as is
+                data=view[start : start + step],
                 last=start + step >= size,
                 tier=tier if first else "",
                 checksum=checksum if first else 0,
