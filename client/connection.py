@@ -31,7 +31,7 @@ from typing import Final, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from kvstore import get_chunks
+from kvstore import chunks
 from kvstore.client import wire
 from kvstore.client.errors import (
     TRANSIENT,
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 M = TypeVar("M", bound=Message)
 
-GET_METHOD: Final = "/kvstore.v1.KVStore/Get"
+SERVICE: Final = "/kvstore.v1.KVStore"
 _CHANNEL_OPTIONS: Final = [
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
@@ -134,12 +134,17 @@ class Connection:
         else:
             self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
-        # Get's chunks keep their data in the received message (one copy fewer than a
-        # protobuf message; see kvstore.get_chunks).
+        # Get's and Put's chunks are written and read with one copy of their data (not
+        # protobuf's three; see kvstore.chunks).
         self._stub.Get = self._channel.unary_stream(
-            GET_METHOD,
+            f"{SERVICE}/Get",
             request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=get_chunks.decode,
+            response_deserializer=chunks.decode_get,
+        )
+        self._stub.Put = self._channel.stream_unary(
+            f"{SERVICE}/Put",
+            request_serializer=chunks.encode_put,
+            response_deserializer=pb.PutResponse.FromString,
         )
         try:
             await self.refresh()

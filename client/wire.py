@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Final, Protocol
 import numpy as np
 import xxhash
 
+from kvstore.checks import BlockSpec
+from kvstore.chunks import GetChunk, PutChunk
 from kvstore.client.errors import CorruptBlockError, ProtocolError
 from kvstore.client.shm import (
     Bytes,
@@ -27,7 +29,6 @@ from kvstore.client.shm import (
     buffer_bytes,
     is_tensor,
 )
-from kvstore.get_chunks import GetChunk
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.results import LookupResult, TierStats
@@ -149,21 +150,21 @@ def put_chunks(
     chunk_bytes: int,
     *,
     checksums: bool = False,
-) -> Iterator[pb.PutChunk]:
+) -> Iterator[PutChunk]:
     """The Put stream: namespace on the first chunk, a block's spec (and, with
-    ``checksums``, its xxh3-64) on its first chunk."""
+    ``checksums``, its xxh3-64) on its first chunk. Each chunk's data is a view of the
+    block, copied once, into the message (``kvstore.chunks.encode_put``)."""
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     for number, (spec, block) in enumerate(zip(specs, blocks, strict=True)):
-        data = _host_bytes(block).data
-        for start in range(0, len(data), chunk_bytes):
-            message = pb.PutChunk(data=bytes(data[start : start + chunk_bytes]))
-            if start == 0:
-                message.block.CopyFrom(spec)
-                if checksums:
-                    message.checksum = xxhash.xxh3_64_intdigest(data)
-                if number == 0:
-                    message.namespace = namespace
-            yield message
+        data = _host_bytes(block).data.cast("B")
+        for start in range(0, max(len(data), 1), chunk_bytes):
+            first = start == 0
+            yield PutChunk(
+                data=data[start : start + chunk_bytes],
+                namespace=namespace if first and number == 0 else b"",
+                block=BlockSpec(spec.key, spec.parent, spec.num_tokens) if first else None,
+                checksum=xxhash.xxh3_64_intdigest(data) if first and checksums else 0,
+            )
 
 
 # Answers ----------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ from typing import TypeAlias, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore import get_chunks
+from kvstore import chunks
 from kvstore.blocks import BlockLayout
 from kvstore.checks import BlockSpec, check_spec
+from kvstore.chunks import GetChunk
 from kvstore.errors import (
     InvalidBlockError,
     InvalidRequestError,
@@ -42,7 +43,6 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UnknownSessionError,
 )
-from kvstore.get_chunks import GetChunk
 from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
@@ -103,6 +103,14 @@ def _parser(cls: type[M]) -> Callable[[bytes], M | Malformed]:
     return parse
 
 
+def _put_parser(data: bytes) -> chunks.PutChunk | Malformed:
+    """Put's chunks, their data left in the received message (see kvstore.chunks)."""
+    try:
+        return chunks.decode_put(data)
+    except ValueError as error:
+        return Malformed("PutChunk", str(error))
+
+
 def checked(request: object, cls: type[M]) -> M:
     """The request as a ``cls``, or :class:`InvalidRequestError` for bytes that did not parse."""
     if isinstance(request, Malformed):
@@ -127,9 +135,9 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(
             getattr(servicer, method.name),
-            request_deserializer=_parser(request),
-            # Get's chunks are written straight from the arena (see kvstore.get_chunks).
-            response_serializer=get_chunks.encode
+            request_deserializer=_put_parser if request is pb.PutChunk else _parser(request),
+            # Get's chunks are written straight from the arena (see kvstore.chunks).
+            response_serializer=chunks.encode_get
             if reply is pb.GetChunk
             else reply.SerializeToString,
         )
@@ -285,7 +293,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, index: int, payload: bytes | memoryview, tier: str, checksum: int
     ) -> Iterator[GetChunk]:
         """One block's chunks, each a view of its piece of ``payload``: the serializer
-        (``get_chunks.encode``) copies it into the message, before the stream goes on (and
+        (``chunks.encode_get``) copies it into the message, before the stream goes on (and
         before a leased slot is released)."""
         view = memoryview(payload).cast("B")
         size, step = view.nbytes, self._chunk_bytes
@@ -403,17 +411,17 @@ class _PutStream:
         self._block: _Incoming | None = None
         self.statuses: list[PutStatus] = []
 
-    async def run(self, chunks: AsyncIterator[object]) -> list[PutStatus]:
+    async def run(self, messages: AsyncIterator[object]) -> list[PutStatus]:
         try:
-            await self._receive(chunks)
+            await self._receive(messages)
         finally:
             await self._drop()
         return self.statuses
 
-    async def _receive(self, chunks: AsyncIterator[object]) -> None:
+    async def _receive(self, messages: AsyncIterator[object]) -> None:
         position = 0
-        async for message in chunks:
-            chunk = checked(message, pb.PutChunk)
+        async for message in messages:
+            chunk = checked(message, chunks.PutChunk)
             if position == 0:
                 self._namespace = chunk.namespace
                 self._layout = self._service.layout_of(chunk.namespace, tenant=self._tenant)
@@ -423,9 +431,9 @@ class _PutStream:
                     f"chunk {position} names namespace {chunk.namespace.hex()}; a Put stream "
                     f"carries one namespace, {self._namespace.hex()}"
                 )
-            if chunk.HasField("block"):
+            if chunk.block is not None:
                 await self._begin(chunk.block, chunk.checksum)
-            data = chunk.data  # each read of a bytes field copies it out of the message
+            data = chunk.data  # a view of the received message
             if data:
                 self._append(data, position)
             if self._block is not None and self._block.filled == self._size:
@@ -433,9 +441,8 @@ class _PutStream:
             position += 1
         self._check_ended()
 
-    async def _begin(self, block: pb.BlockSpec, checksum: int) -> None:
+    async def _begin(self, spec: BlockSpec, checksum: int) -> None:
         self._check_ended()
-        spec = BlockSpec(block.key, block.parent, block.num_tokens)
         assert self._layout is not None  # set by the stream's first chunk
         check_spec(f"blocks[{len(self.statuses)}]", spec, self._layout)
         landed = (
@@ -459,7 +466,7 @@ class _PutStream:
                 f"its layout needs {self._size}"
             )
 
-    def _append(self, data: bytes, position: int) -> None:
+    def _append(self, data: bytes | memoryview, position: int) -> None:
         block = self._block
         if block is None:
             raise InvalidRequestError(

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 import torch
 
+from kvstore.chunks import encode_put
 from kvstore.client import ModelFingerprint, Namespace, ProtocolError, WriteStatus, wire
 from kvstore.client.shm import Arena
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
@@ -57,11 +58,15 @@ def test_put_chunks_carry_the_namespace_once_and_each_spec_on_its_first_chunk() 
 
     chunks = list(wire.put_chunks(b"N" * 32, specs, blocks, 4))
 
-    assert [c.data for c in chunks] == [b"aaaa", b"aaaa", b"aa", *_split(blocks[1], 4)]
+    assert [bytes(c.data) for c in chunks] == [b"aaaa", b"aaaa", b"aa", *_split(blocks[1], 4)]
     assert [c.namespace for c in chunks] == [b"N" * 32] + [b""] * 5
-    assert [c.HasField("block") for c in chunks] == [True, False, False, True, False, False]
+    assert [c.block is not None for c in chunks] == [True, False, False, True, False, False]
+    assert chunks[3].block is not None and chunks[0].block is not None
     assert chunks[3].block.parent == KEY and chunks[0].block.parent == bytes(32)
     assert chunks[0].block.num_tokens == 16
+    # On the wire, what the daemon's protobuf-based clients would send.
+    message = pb.PutChunk.FromString(encode_put(chunks[0]))
+    assert (message.namespace, message.block.key, message.data) == (b"N" * 32, KEY, b"aaaa")
 
 
 def _split(tensor: torch.Tensor, step: int) -> list[bytes]:
