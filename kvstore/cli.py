@@ -13,6 +13,9 @@
   torch, load only when they run (without torch: a message naming the ``engine`` extra, exit
   status 2).
 
+Exit statuses: 0 done; 1 the daemon cannot start because another one holds its socket or SSD
+directory (one line on stderr, naming that daemon's pid); 2 a bad config or missing extra.
+
 This is the entry point: the only place that installs uvloop.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import importlib
 import logging
 import os
@@ -149,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvstore.defaults import tune_allocator
     from kvstore.server import serve
+    from kvstore.tiers.locks import InUseError
 
     tune_allocator()
     logging.basicConfig(
@@ -157,7 +162,13 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args.config, args.listen)
     log.info("host tier %d bytes", config.host.capacity)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except OSError as error:
+        if not isinstance(error, InUseError) and error.errno != errno.EADDRINUSE:
+            raise
+        print(f"kvstore serve: {error.strerror or error}", file=sys.stderr)
+        return 1
     return 0
 
 

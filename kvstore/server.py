@@ -37,7 +37,7 @@ from kvstore.service import KVStoreService
 from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
 from kvstore.sessions import SessionServer
 from kvstore.shm_wire import session_path
-from kvstore.sockets import prepare_socket_path, unix_path
+from kvstore.sockets import claim_sockets, prepare_socket_path, unix_path
 from kvstore.store import BlockStore
 from kvstore.tiers import collector
 
@@ -253,7 +253,21 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 async def serve(config: Config) -> None:
-    """Runs the daemon until SIGTERM or SIGINT, then shuts it down gracefully."""
+    """Runs the daemon until SIGTERM or SIGINT, then shuts it down gracefully.
+
+    Raises:
+        InUseError: Another daemon holds a socket or the SSD directory; nothing was allocated
+            (the sockets are claimed first) or read.
+    """
+    claimed = claim_sockets(config.server.listen)
+    try:
+        await _serve_claimed(config)
+    finally:
+        for lock in claimed:
+            lock.release()
+
+
+async def _serve_claimed(config: Config) -> None:
     store = BlockStore.from_config(config)
     await store.start()
     try:

@@ -157,12 +157,22 @@ class BlockStore:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts the tiers, rebuilds the index from persistent tiers, starts maintenance."""
-        for slot in self._tiers:
-            await slot.tier.start()
-        for slot in self._tiers:
-            if slot.codec is not None and not slot.shared:
-                await self._placement.rebuild_from(slot)
+        """Starts the tiers, rebuilds the index from persistent tiers, starts maintenance.
+
+        A start that fails closes the tiers it started (their arenas, files and locks), then
+        raises.
+        """
+        try:
+            for slot in self._tiers:
+                await slot.tier.start()
+            for slot in self._tiers:
+                if slot.codec is not None and not slot.shared:
+                    await self._placement.rebuild_from(slot)
+        except BaseException:
+            for slot in self._tiers:
+                with contextlib.suppress(Exception):
+                    await slot.tier.aclose()
+            raise
         self._open = True
         self._maintenance = asyncio.create_task(self._maintain_forever(), name="store-maintenance")
 

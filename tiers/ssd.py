@@ -57,6 +57,7 @@ from kvstore.tiers.base import (
     check_key,
     check_range,
 )
+from kvstore.tiers.locks import FileLock
 from kvstore.tiers.ssd_files import (
     SUFFIX,
     TMP_DIR,
@@ -113,6 +114,7 @@ class SsdTier:
         self._capacity = capacity_bytes
         self._fsync = fsync
         self._index: dict[bytes, int] = {}  # key -> record bytes on disk
+        self._lock: FileLock | None = None  # held from start to aclose
         self._used = 0  # committed records + bytes reserved by puts in flight
         self._locks = _KeyLocks()
         self._writes: set[asyncio.Task[bool]] = set()
@@ -132,11 +134,19 @@ class SsdTier:
         Entries in the tier's way are moved to ``quarantine/``, never a reason to fail.
 
         Raises:
+            InUseError: Another daemon holds the directory (its lock file names its pid);
+                nothing in it was read or changed.
             OSError: ``directory`` cannot be created or is not a readable, writable directory.
         """
         if self._open:
             return
-        found = await _in_io_thread(ssd_files.recover, self.directory, self._capacity)
+        if self._lock is None:  # the directory is this daemon's before anything reads it
+            self._lock = await _in_io_thread(ssd_files.lock_root, self.directory)
+        try:
+            found = await _in_io_thread(ssd_files.recover, self.directory, self._capacity)
+        except BaseException:
+            self._release_lock()
+            raise
         self._index = found.index
         self._used = sum(found.index.values())
         self.dropped_on_start = found.dropped
@@ -151,10 +161,16 @@ class SsdTier:
         )  # fmt: skip
 
     async def aclose(self) -> None:
-        """Waits for the writes in flight and closes the tier."""
+        """Waits for the writes in flight, closes the tier and lets its directory go."""
         self._open = False
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def path_of(self, key: bytes) -> Path:
         """Returns the file that holds (or would hold) the record of ``key``."""

@@ -4,6 +4,9 @@ A record file holds one blob under its key (format in :mod:`kvstore.tiers.ssd`).
 here blocks: the tier runs it in a worker thread, never on the event loop.
 
 - ``encode_header`` / ``decode_header``: the 24-byte record header (+ key);
+- ``lock_root(root)``: create the directory and take its lock (``kvstore.lock``, an
+  ``flock`` held while the daemon runs) before anything else touches it: a second daemon
+  on the same directory refuses to start instead of trimming the first one's records;
 - ``recover(root, capacity)``: prepare a directory at start and scan it (headers only),
   dropping bad records and trimming the oldest beyond capacity. It never fails because of what
   the directory holds: whatever sits where a prefix folder or ``tmp/`` belongs, ``*.blk``
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvstore.tiers.base import MAX_KEY_BYTES
+from kvstore.tiers.locks import FileLock
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ HEADER_BYTES = _FIELDS.size + _CRC.size  # 24
 SUFFIX = ".blk"
 TMP_DIR = "tmp"
 QUARANTINE_DIR = "quarantine"
+LOCK_FILE = "kvstore.lock"  # beside the prefix folders: recovery leaves it alone
 PREFIXES = tuple(f"{prefix:02x}" for prefix in range(256))
 
 
@@ -125,6 +130,20 @@ def recover(root: Path, capacity: int) -> Recovery:
     kept = _trim(found, capacity)
     index = {record.key: record.size for record in kept}
     return Recovery(index, dropped + bad, len(found) - len(kept), quarantine.moved)
+
+
+def lock_root(root: Path) -> FileLock:
+    """Creates ``root`` if missing and takes its lock (``LOCK_FILE``), before anything in it
+    is read: one daemon per SSD directory.
+
+    Raises:
+        InUseError: Another daemon holds it.
+        OSError: As :func:`recover`.
+    """
+    _check_root(root)
+    lock = FileLock(root / LOCK_FILE, f"ssd directory {root}")
+    lock.acquire()
+    return lock
 
 
 def _check_root(root: Path) -> None:

@@ -33,7 +33,7 @@ from kvstore.client import (
 )
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from tests.support.daemon import running_daemon
+from tests.support.daemon import Daemon, running_daemon
 from tests.support.worker import BLOCK, NAMESPACE, SHARED_TOKENS, own_tokens, payload
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "worker.py"
@@ -117,6 +117,74 @@ def test_sigterm_flushes_write_back_blocks_to_ssd(tmp_path: Path) -> None:
             assert held.num_blocks == len(keys) and set(held.tiers) == {"ssd"}
             blocks = client.get(NAMESPACE, keys)
             assert [bytes(b) for b in blocks] == [payload(k) for k in keys]
+
+
+def serve(config: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``kvstore serve`` on ``config`` until it exits (it must refuse: it never serves)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    command = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_a_second_daemon_on_the_same_ssd_directory_refuses_and_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    settings = {"ssd": {"write_policy": "write_through"}}
+    with running_daemon(tmp_path / "a", settings=settings) as first:
+        keys = block_keys(own_tokens("ssd-lock", 8), NAMESPACE)
+        with KVStoreClient(first.address) as client:
+            client.put(NAMESPACE, keys, [payload(k) for k in keys])
+        ssd = tmp_path / "a" / "ssd"
+        files = sorted(ssd.glob("*/*.blk"))
+        assert len(files) == len(keys)
+        # Another socket, the same SSD directory, room for one block: it would trim 7.
+        second = Daemon(
+            tmp_path / "b", ssd_capacity="40KiB", settings={"ssd": {"directory": str(ssd)}}
+        )
+        try:
+            refused = serve(second.config_path)
+        finally:
+            second.close()
+        assert refused.returncode == 1
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"kvstore serve: ssd directory {ssd} is in use by another kvstore daemon "
+            f"(pid {first.proc.pid}); stop it first or configure another "
+            f"(lock file {ssd / 'kvstore.lock'})"
+        )
+        assert "Traceback" not in refused.stderr
+        assert sorted(ssd.glob("*/*.blk")) == files
+        with KVStoreClient(first.address) as client:
+            assert client.lookup(NAMESPACE, keys) == len(keys)
+        # A SIGKILLed daemon's lock goes with it: the restart takes the directory back.
+        first.kill()
+        first.start()
+        with KVStoreClient(first.address) as client:
+            assert [bytes(b) for b in client.get(NAMESPACE, keys)] == [payload(k) for k in keys]
+
+
+def test_a_second_serve_on_a_busy_socket_refuses_before_allocating(tmp_path: Path) -> None:
+    with running_daemon(tmp_path / "a") as first:
+        second = Daemon(tmp_path / "b", host_capacity="2GiB")
+        config = second.config_path.read_text().replace(second.address, first.address)
+        second.config_path.write_text(config)
+        try:
+            began = time.monotonic()
+            refused = serve(second.config_path)
+            took = time.monotonic() - began
+        finally:
+            second.close()
+        assert refused.returncode == 1, refused.stderr
+        assert (
+            refused.stderr.strip()
+            .splitlines()[-1]
+            .startswith(
+                f"kvstore serve: socket {first.socket_path} is in use by another kvstore daemon "
+                f"(pid {first.proc.pid})"
+            )
+        )
+        assert not (tmp_path / "b" / "ssd").exists()  # refused before any tier started
+        assert first.running and first._serving()
+        print(f"refused in {took:.1f} s")
 
 
 def test_sigkill_mid_write_never_serves_a_corrupt_block(tmp_path: Path) -> None:

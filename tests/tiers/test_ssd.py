@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.tiers import BlobTooLargeError
+from kvstore.tiers.locks import InUseError
 from kvstore.tiers.ssd import SsdTier
 from kvstore.tiers.ssd_files import HEADER_BYTES, MAGIC, record_overhead
 
@@ -66,6 +67,25 @@ async def test_restart_reads_every_blob_back(tmp_path: Path) -> None:
         for k, blob in blobs.items():
             assert await again.get(k) == blob
             assert await again.get_range(k, 3, 100) == blob[3:103]
+
+
+async def test_a_second_tier_on_the_same_directory_refuses_and_touches_nothing(
+    tmp_path: Path,
+) -> None:
+    async with SsdTier(tmp_path, 64 * MIB) as first:
+        for i in range(20):
+            assert await first.put(key(i), bytes([i]) * 1000)
+        files = sorted(record_files(tmp_path))
+        # Room for one record only: a start would trim 19 of the first tier's files.
+        second = SsdTier(tmp_path, record_overhead(32) + 1000)
+        with pytest.raises(
+            InUseError, match=rf"ssd directory {tmp_path} is in use .*pid {os.getpid()}"
+        ):
+            await second.start()
+        assert sorted(record_files(tmp_path)) == files
+        assert await first.get(key(3)) == bytes([3]) * 1000
+    async with SsdTier(tmp_path, 64 * MIB) as after:  # closing let the directory go
+        assert len(list(after.keys())) == 20
 
 
 async def test_record_file_layout(tmp_path: Path) -> None:
