@@ -162,8 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args.config, args.listen)
     log.info("host tier %d bytes", config.host.capacity)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    reread = (lambda: serve_config(args.config, args.listen)) if args.config else None
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, reread))
     except OSError as error:
         if not isinstance(error, InUseError) and error.errno != errno.EADDRINUSE:
             raise

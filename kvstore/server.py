@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
 import secrets
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.config import AuthConfig, Config, ServerConfig
+from kvstore.config import AuthConfig, Config, ConfigError, ServerConfig
 from kvstore.errors import StoreError, UnauthenticatedError
 from kvstore.service import KVStoreService
 from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
@@ -53,6 +54,10 @@ class Authenticator:
     """Maps the bearer token of a call to its tenant (``None``: authentication is off)."""
 
     def __init__(self, config: AuthConfig) -> None:
+        self.replace(config)
+
+    def replace(self, config: AuthConfig) -> None:
+        """Takes the tokens of ``config`` from the next call on (a SIGHUP reload)."""
         self._tenants = [
             (token.encode(), tenant) for token, tenant in config.tenants_by_token().items()
         ]
@@ -148,6 +153,7 @@ class RunningServer:
     socket_paths: tuple[Path, ...]
     grace: float
     sessions: SessionServer | None = None
+    authenticator: Authenticator | None = None
 
     async def stop(self, grace: float | None = None) -> None:
         """Marks health NOT_SERVING, stops accepting, lets calls in flight finish within
@@ -194,7 +200,14 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("kvstore listening on %s", ", ".join(addresses))
     return RunningServer(
-        server, service, health_servicer, addresses, paths, config.server.shutdown_grace, sessions
+        server,
+        service,
+        health_servicer,
+        addresses,
+        paths,
+        config.server.shutdown_grace,
+        sessions,
+        authenticator,
     )
 
 
@@ -252,30 +265,59 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config, reread: Callable[[], Config] | None = None) -> None:
     """Runs the daemon until SIGTERM or SIGINT, then shuts it down gracefully.
+
+    The signals are handled from the first line: a SIGTERM during start-up lets the start
+    finish, closes what it opened and returns. SIGHUP never stops the daemon: it calls
+    ``reread`` for the config again and applies what can change while it runs (see
+    :func:`reload`); without ``reread`` it is logged and ignored.
 
     Raises:
         InUseError: Another daemon holds a socket or the SSD directory; nothing was allocated
             (the sockets are claimed first) or read.
     """
-    claimed = claim_sockets(config.server.listen)
+    loop = asyncio.get_running_loop()
+    stop, hangups = asyncio.Event(), asyncio.Queue[None]()
+    handled: dict[signal.Signals, Callable[[], None]] = {
+        signal.SIGTERM: stop.set,
+        signal.SIGINT: stop.set,
+        signal.SIGHUP: lambda: hangups.put_nowait(None),
+    }
+    for signum, handler in handled.items():
+        loop.add_signal_handler(signum, handler)
     try:
-        await _serve_claimed(config)
+        claimed = claim_sockets(config.server.listen)
+        try:
+            await _serve_claimed(config, stop, hangups, reread)
+        finally:
+            for lock in claimed:
+                lock.release()
     finally:
-        for lock in claimed:
-            lock.release()
+        for signum in handled:
+            with contextlib.suppress(ValueError, RuntimeError):
+                loop.remove_signal_handler(signum)
 
 
-async def _serve_claimed(config: Config) -> None:
+async def _serve_claimed(
+    config: Config,
+    stop: asyncio.Event,
+    hangups: asyncio.Queue[None],
+    reread: Callable[[], Config] | None,
+) -> None:
     store = BlockStore.from_config(config)
-    await store.start()
+    await store.start()  # a SIGTERM meanwhile is seen once it is done
     try:
+        if stop.is_set():
+            log.info("stopped during start-up")
+            return
         running = await create_server(config, store)
         frozen = collector.freeze()
         log.info("garbage collector: %d start-up objects frozen out of full collections", frozen)
         try:
-            await _until_signalled((signal.SIGTERM, signal.SIGINT))
+            current = config
+            while await _first_of(stop.wait(), hangups.get()) == 1:
+                current = _on_hangup(current, reread, running, store)
             log.info("shutting down (grace %.1fs)", config.server.shutdown_grace)
         finally:
             await running.stop()
@@ -284,14 +326,72 @@ async def _serve_claimed(config: Config) -> None:
     log.info("kvstore stopped")
 
 
-async def _until_signalled(signals: Sequence[signal.Signals]) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in signals:
-        loop.add_signal_handler(signum, stop.set)
+async def _first_of(*awaitables: Awaitable[object]) -> int:
+    """The index of the first awaitable to finish; the others are cancelled."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
     try:
-        await stop.wait()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for signum in signals:
-            with contextlib.suppress(ValueError, RuntimeError):
-                loop.remove_signal_handler(signum)
+        for task in tasks:
+            task.cancel()
+    return next(i for i, task in enumerate(tasks) if task in done)
+
+
+def _on_hangup(
+    current: Config, reread: Callable[[], Config] | None, running: RunningServer, store: BlockStore
+) -> Config:
+    if reread is None:
+        log.info("SIGHUP: no config file to read again; nothing changed")
+        return current
+    try:
+        new = reread()
+    except (ConfigError, OSError) as error:
+        log.error("SIGHUP: the config was not reloaded, the daemon runs on: %s", error)
+        return current
+    applied, restart = reload(current, new, running, store)
+    log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing (no change)")
+    if restart:
+        log.warning("SIGHUP: left as they were, these need a restart: %s", ", ".join(restart))
+    return new
+
+
+def reload(
+    old: Config, new: Config, running: RunningServer, store: BlockStore
+) -> tuple[list[str], list[str]]:
+    """Applies what changed from ``old`` to ``new`` that a running daemon can take: the
+    tokens, the eviction watermarks, the tiers' TTLs. Returns those changes, and the changed
+    keys that need a restart (left as they were)."""
+    applied: list[str] = []
+    if new.auth != old.auth and running.authenticator is not None:
+        running.authenticator.replace(new.auth)
+        applied.append(f"auth.tokens ({len(new.auth.tokens)})")
+    high, low = new.eviction.high_watermark, new.eviction.low_watermark
+    if (high, low) != (old.eviction.high_watermark, old.eviction.low_watermark):
+        store.set_watermarks(high, low)
+        applied.append(f"eviction watermarks {low:g}-{high:g}")
+    names = {slot.name for slot in store.tiers}
+    for section in ("host", "ssd", "redis"):
+        ttl = getattr(new, section).ttl
+        if ttl != getattr(old, section).ttl and section in names:
+            store.tier(section).ttl = ttl
+            applied.append(f"{section}.ttl {ttl:g}s")
+    # Everything else must be as it was: what differs needs a restart.
+    kept = dataclasses.replace(
+        new,
+        auth=old.auth,
+        eviction=dataclasses.replace(
+            new.eviction,
+            high_watermark=old.eviction.high_watermark,
+            low_watermark=old.eviction.low_watermark,
+        ),
+        host=dataclasses.replace(new.host, ttl=old.host.ttl),
+        ssd=dataclasses.replace(new.ssd, ttl=old.ssd.ttl),
+        redis=dataclasses.replace(new.redis, ttl=old.redis.ttl),
+    )
+    restart = [
+        f"{section.name}.{key}"
+        for section in dataclasses.fields(old)
+        for key, value in dataclasses.asdict(getattr(old, section.name)).items()
+        if dataclasses.asdict(getattr(kept, section.name))[key] != value
+    ]
+    return applied, restart

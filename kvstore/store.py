@@ -209,6 +209,16 @@ class BlockStore:
 
     # -- namespaces -------------------------------------------------------------------------
 
+    def set_watermarks(self, high: float, low: float) -> None:
+        """The eviction watermarks from now on (a config reload); ``0 < low < high <= 1``.
+
+        Raises:
+            ValueError: naming both values.
+        """
+        if not 0.0 < low < high <= 1.0:
+            raise ValueError(f"watermarks need 0 < low < high <= 1, got low={low} high={high}")
+        self._high, self._low = high, low
+
     def register_namespace(self, namespace: bytes, tenant: str) -> None:
         """Puts ``namespace``'s blocks in ``tenant``'s host arena (call before using it)."""
         _check_key("namespace", namespace)

@@ -187,6 +187,67 @@ def test_a_second_serve_on_a_busy_socket_refuses_before_allocating(tmp_path: Pat
         print(f"refused in {took:.1f} s")
 
 
+def test_sighup_reloads_tokens_and_watermarks_and_leaves_the_daemon_serving(
+    tmp_path: Path,
+) -> None:
+    with running_daemon(tmp_path, tokens=["old-token:tests"]) as daemon:
+        keys = block_keys(own_tokens("hup", 2), NAMESPACE)
+        with KVStoreClient(daemon.address, token="old-token") as client:
+            client.put(NAMESPACE, keys, [payload(k) for k in keys])
+        config = daemon.config_path.read_text()
+        config = config.replace('"old-token:tests"', '"new-token:tests"')
+        config = config.replace('capacity = "8MiB"', 'capacity = "16MiB"')  # needs a restart
+        daemon.config_path.write_text(config + "[eviction]\nhigh_watermark = 0.9\n")
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "SIGHUP: applied" in daemon.log())
+        assert daemon.running and daemon._serving()
+        log = daemon.log()
+        assert "SIGHUP: applied auth.tokens (1), eviction watermarks 0.85-0.9" in log
+        assert "these need a restart: host.capacity" in log
+        with KVStoreClient(daemon.address, token="new-token") as client:
+            assert [bytes(b) for b in client.get(NAMESPACE, keys)] == [payload(k) for k in keys]
+        with (
+            pytest.raises(UnauthenticatedError),
+            KVStoreClient(daemon.address, token="old-token") as client,
+        ):
+            client.lookup(NAMESPACE, keys)
+        # A config that no longer parses is refused; the daemon runs on as it was.
+        daemon.config_path.write_text("[host]\ncapacity = -1\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "the config was not reloaded" in daemon.log())
+        with KVStoreClient(daemon.address, token="new-token") as client:
+            assert client.lookup(NAMESPACE, keys) == len(keys)
+        assert daemon.stop() == 0
+
+
+def test_sigterm_during_start_up_closes_what_it_opened(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, settings={"ssd": {"write_policy": "write_through"}})
+    try:
+        daemon.start()
+        keys = block_keys(own_tokens("early", 4), NAMESPACE)
+        with KVStoreClient(daemon.address) as client:
+            client.put(NAMESPACE, keys, [payload(k) for k in keys])
+        assert daemon.stop() == 0
+        files = sorted((tmp_path / "ssd").glob("*/*.blk"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        command = [sys.executable, "-m", "kvstore", "serve", "--config", str(daemon.config_path)]
+        proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+        lock = daemon.socket_path.with_name("kvstore.sock.lock")
+        wait_for(lambda: lock.exists() and lock.read_text().strip() == str(proc.pid))
+        proc.send_signal(signal.SIGTERM)  # the sockets are claimed: the start is under way
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        assert "stopped during start-up" in stderr or "kvstore stopped" in stderr
+        assert not daemon.socket_path.exists()
+        assert sorted((tmp_path / "ssd").glob("*/*.blk")) == files
+        daemon.start()  # nothing left behind blocks the next start
+        with KVStoreClient(daemon.address) as client:
+            assert client.lookup(NAMESPACE, keys) == len(keys)
+    finally:
+        daemon.close()
+
+
 def test_sigkill_mid_write_never_serves_a_corrupt_block(tmp_path: Path) -> None:
     settings = {"ssd": {"write_policy": "write_through", "fsync": True}}
     with running_daemon(tmp_path, settings=settings) as daemon:
