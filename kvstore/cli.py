@@ -25,12 +25,14 @@ import argparse
 import asyncio
 import dataclasses
 import errno
+import functools
 import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 
+from kvstore import __version__
 from kvstore.config import Config, ConfigError, load_config
 from kvstore.protos.kvstore.v1 import kvstore_pb2
 
@@ -70,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache daemon.")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", metavar="FILE", help="TOML file (default: embedded defaults)")
@@ -94,8 +97,21 @@ def _parser() -> argparse.ArgumentParser:
     for name, _, summary in _DELEGATED:
         summaries.setdefault(name.split()[0], []).append(summary)
     for word, lines in summaries.items():
-        commands.add_parser(word, help="; ".join(lines), add_help=False)
+        group = commands.add_parser(
+            word,
+            help="; ".join(lines),
+            description="\n".join(f"kvstore {line}" for line in lines)
+            + f"\n\nRun 'kvstore {word} COMMAND --help' for a command's options.",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        group.set_defaults(run=functools.partial(_group_usage, group))
     return parser
+
+
+def _group_usage(group: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``kvstore bench`` (a group's word alone): its commands, exit status 2."""
+    group.print_help(sys.stderr)
+    return 2
 
 
 _DELEGATED = [

@@ -248,6 +248,33 @@ def test_sigterm_during_start_up_closes_what_it_opened(tmp_path: Path) -> None:
         daemon.close()
 
 
+def arena_fds(pid: int) -> list[str]:
+    """What the process's descriptors of host arenas point at."""
+    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return [link for link in links if "kvstore-arena" in link]
+
+
+def test_sigkill_then_restart_leaves_no_arena_behind(tmp_path: Path) -> None:
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    settings = {"ssd": {"write_policy": "write_through"}}  # what survives the SIGKILL
+    with running_daemon(tmp_path, settings=settings) as daemon:
+        keys = block_keys(own_tokens("arena", 2), NAMESPACE)
+        with KVStoreClient(daemon.address) as client:
+            client.put(NAMESPACE, keys, [payload(k) for k in keys])
+        assert daemon.proc is not None
+        first = daemon.proc.pid
+        # Arenas are memfds: memory that is no file's, freed with the last descriptor.
+        assert arena_fds(first) and all(link.startswith("/memfd:") for link in arena_fds(first))
+        daemon.kill()
+        assert not Path(f"/proc/{first}").exists()
+        daemon.start()
+        with KVStoreClient(daemon.address) as client:  # from the SSD tier, into a new arena
+            assert [bytes(b) for b in client.get(NAMESPACE, keys)] == [payload(k) for k in keys]
+        assert daemon.proc is not None and arena_fds(daemon.proc.pid)
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {name for name in shm_after - shm_before if "kvstore" in name}
+
+
 def test_sigkill_mid_write_never_serves_a_corrupt_block(tmp_path: Path) -> None:
     settings = {"ssd": {"write_policy": "write_through", "fsync": True}}
     with running_daemon(tmp_path, settings=settings) as daemon:

@@ -185,3 +185,28 @@ def test_chat_command_is_delegated_lazily(capsys: pytest.CaptureFixture[str]) ->
         main(["chat", "--help"])
     assert exit_info.value.code == 0
     assert "--address" in capsys.readouterr().out
+
+
+COMMANDS = [[], ["serve"], ["stats"], ["chat"], ["bench"], ["bench", "chat"], ["bench", "vllm"],
+            ["bench", "truncation"], ["dataset"], ["dataset", "fetch"], ["model"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda words: " ".join(words) or "kvstore")
+def test_every_command_has_help_that_exits_0(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    assert exited.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_version_and_a_group_word_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"kvstore {__version__}\n"
+    assert main(["bench"]) == 2
+    listed = capsys.readouterr().err
+    assert all(f"kvstore bench {word}:" in listed for word in ("chat", "vllm", "truncation"))
