@@ -96,7 +96,7 @@ gpu-wheels: install
 		--python-version $(GPU_PYTHON_VERSION) --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 		lz4 redis grpcio grpcio-health-checking 'protobuf>=7.35.1' platformdirs \
-		pytest-asyncio xxhash uvloop aiofiles
+		pytest-asyncio xxhash uvloop aiofiles prometheus-client
 
 protos: install
 	$(PY) protos/generate.py

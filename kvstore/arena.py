@@ -101,15 +101,19 @@ class ArenaPlane:
         """Leases the leading held blocks of ``keys``, promoted into the arena and pinned."""
         nodes: list[Node] = []
         slots: list[Slot] = []
+        counts = self._placement.counts  # a get per key tried, as BlockStore.get counts them
         try:
             for key in keys:
+                counts["gets"] += 1
                 node = await self._placement.held(key, namespace)
                 if node is None:
+                    counts["misses"] += 1
                     break
                 node.leases += 1  # so that promoting later blocks cannot evict this one
                 nodes.append(node)
                 slot = await self._into_arena(node)
                 if slot is None:
+                    counts["misses"] += 1  # held, but no room in the arena for it
                     break
                 slots.append(slot)
         except BaseException:

@@ -160,6 +160,13 @@ class AuthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The Prometheus endpoint (:mod:`kvstore.metrics`)."""
+
+    listen: str = ""  # "host:port" of /metrics; empty: no endpoint
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The whole configuration tree."""
 
@@ -169,6 +176,7 @@ class Config:
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -397,6 +405,9 @@ def validate(config: Config) -> None:
             "ssd.directory is empty: name a directory for the SSD tier's files "
             "(or set ssd.enabled = false)"
         )
+    listen = config.metrics.listen
+    if listen and not listen.rpartition(":")[2].isdigit():
+        raise ConfigError(f"metrics.listen must look like 'host:port', got {listen!r}")
     if config.redis.pool_size < 1:
         raise ConfigError(f"redis.pool_size must be >= 1, got {config.redis.pool_size}")
     _check_tiers(config)

@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.config import AuthConfig, Config, ConfigError, ServerConfig
 from kvstore.errors import StoreError, UnauthenticatedError
+from kvstore.metrics import serve_metrics
 from kvstore.service import KVStoreService
 from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
 from kvstore.sessions import SessionServer
@@ -312,6 +313,11 @@ async def _serve_claimed(
             log.info("stopped during start-up")
             return
         running = await create_server(config, store)
+        stop_metrics = None
+        if config.metrics.listen:
+            stop_metrics, _ = serve_metrics(
+                config.metrics.listen, running.service.stats, asyncio.get_running_loop()
+            )
         frozen = collector.freeze()
         log.info("garbage collector: %d start-up objects frozen out of full collections", frozen)
         try:
@@ -320,6 +326,8 @@ async def _serve_claimed(
                 current = _on_hangup(current, reread, running, store)
             log.info("shutting down (grace %.1fs)", config.server.shutdown_grace)
         finally:
+            if stop_metrics is not None:
+                await asyncio.to_thread(stop_metrics)
             await running.stop()
     finally:
         await store.aclose(flush=True)

@@ -248,6 +248,63 @@ def test_sigterm_during_start_up_closes_what_it_opened(tmp_path: Path) -> None:
         daemon.close()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``/metrics`` as ``{'name{labels}': value}``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
+
+
+def test_a_scrape_after_a_chat_shows_the_gets_and_hits_kvstore_stats_shows(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    settings = {"metrics": {"listen": f"127.0.0.1:{port}"}}
+    with running_daemon(tmp_path, settings=settings) as daemon:
+        # A chat's traffic: each turn looks up its prompt, reads the held prefix (over shm,
+        # then over the stream), and saves the blocks of its new tokens.
+        tokens = own_tokens("metrics-chat", 1)
+        with (
+            KVStoreClient(daemon.address) as shm,
+            KVStoreClient(daemon.address, use_shm=False) as stream,
+        ):
+            for turn in range(4):
+                keys = block_keys(tokens, NAMESPACE)
+                held = (shm if turn % 2 else stream).lookup(NAMESPACE, keys)
+                got = (shm if turn % 2 else stream).get(NAMESPACE, keys[:held])
+                assert [bytes(b) for b in got] == [payload(k) for k in keys[:held]]
+                shm.put(NAMESPACE, keys[held:], [payload(k) for k in keys[held:]])
+                tokens += own_tokens(f"turn {turn}", 2)[-32:]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        printed = subprocess.run(
+            [sys.executable, "-m", "kvstore", "stats", "--address", daemon.address, "--json"],
+            capture_output=True, text=True, env=env, check=True,
+        )  # fmt: skip
+        stats = json.loads(printed.stdout)
+        metrics = scrape(port)
+    assert int(stats["gets"]) > 0 and metrics["kvstore_gets_total"] == int(stats["gets"])
+    assert metrics["kvstore_misses_total"] == int(stats.get("misses", 0))
+    for tier in stats["tiers"]:
+        assert metrics[f'kvstore_tier_hits_total{{tier="{tier["name"]}"}}'] == int(
+            tier.get("hits", 0)
+        )
+    hits = sum(int(tier.get("hits", 0)) for tier in stats["tiers"])
+    assert hits + int(stats.get("misses", 0)) == int(stats["gets"])  # each read counted once
+    assert metrics["kvstore_lookups_total"] == 4 and metrics["kvstore_leases_active"] == 0
+    assert metrics['kvstore_build_info{version="0.1.0"}'] == 1
+
+
 def arena_fds(pid: int) -> list[str]:
     """What the process's descriptors of host arenas point at."""
     links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())

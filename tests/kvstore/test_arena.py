@@ -184,6 +184,7 @@ async def test_acquire_promotes_from_ssd_and_stops_at_other_namespaces(tmp_path:
         assert (await store.lookup(keys, NS_B)).num_blocks == 0
         denied = await store.acquire(keys, NS_B)
         assert denied.lease.num_blocks == 0 and denied.slots == ()
+        assert (store.stats().gets, store.stats().misses) == (1, 1)  # counted as get() counts
         await store.release(denied.lease.lease_id)
         assert await store.get(keys[0], NS_B) is None
         assert await store.delete(keys[0], NS_B) == 0
@@ -196,6 +197,10 @@ async def test_acquire_promotes_from_ssd_and_stops_at_other_namespaces(tmp_path:
             chain[1][2],
         ]
         assert store.stats().tiers[1].hits == 2
+        # Two blocks served, the third held but with no room left in the arena: a miss.
+        stats = store.stats()
+        assert (stats.gets, stats.misses) == (2 + 3, 2 + 1)
+        assert stats.gets == sum(t.hits for t in stats.tiers) + stats.misses
         await store.release(acquired.lease.lease_id)
         assert await store.prefetch(keys[2:], NS_A) == 2
         assert (await store.lookup(keys, NS_A)).tiers[2:] == ("host", "host")
