@@ -5,7 +5,8 @@
   the host tier sized to the machine (:func:`kvstore.defaults.auto_host_capacity`) unless
   ``KVSTORE_HOST__CAPACITY`` names a size.
 - ``kvstore stats [--address ADDR | --config FILE] [--token T] [--json]`` prints tier
-  usage, hit rates and leases in flight (``--token`` defaults to ``$KVSTORE_TOKEN``).
+  usage, hit rates and leases in flight (``--token`` defaults to ``$KVSTORE_TOKEN``);
+  ``--json`` prints every field of the reply, zeros included, numbers as JSON numbers.
 - ``kvstore chat [...]`` runs the multi-turn chat (SmolLM2)
   (:mod:`kvstore.inference_adapter.demo`), ``kvstore bench chat [...]`` the end-to-end
   benchmark (:mod:`kvstore.inference_adapter.bench`) and ``kvstore bench vllm [...]`` the
@@ -27,10 +28,13 @@ import dataclasses
 import errno
 import functools
 import importlib
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+
+from google.protobuf.message import Message
 
 from kvstore import __version__
 from kvstore.config import Config, ConfigError, load_config
@@ -64,9 +68,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         status: int = args.run(args)
+        sys.stdout.flush()
     except ConfigError as error:
         print(f"kvstore: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvstore stats | head`: the reader left, which is no error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit finds no pipe
+        os.close(devnull)
+        return 0
     return status
 
 
@@ -106,6 +116,24 @@ def _parser() -> argparse.ArgumentParser:
         )
         group.set_defaults(run=functools.partial(_group_usage, group))
     return parser
+
+
+def message_fields(message: Message) -> dict[str, object]:
+    """Every field of ``message`` with its own type, zeros included (protobuf's JSON drops
+    zero fields and writes 64-bit numbers as strings): ``kvstore stats --json``."""
+    fields: dict[str, object] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.type == field.TYPE_MESSAGE:
+            value = (
+                [message_fields(v) for v in value] if field.is_repeated else message_fields(value)
+            )
+        elif field.is_repeated:
+            value = list(value)
+        elif isinstance(value, bytes):
+            value = value.hex()
+        fields[field.name] = value
+    return fields
 
 
 def _group_usage(group: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -191,7 +219,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf import json_format
 
     from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 
@@ -209,7 +236,7 @@ def _stats(args: argparse.Namespace) -> int:
             )
             return 1
     if args.json:
-        print(json_format.MessageToJson(response, preserving_proto_field_name=True))
+        print(json.dumps(message_fields(response), indent=2))
     else:
         print(format_stats(response))
     return 0

@@ -396,10 +396,13 @@ def validate(config: Config) -> None:
         if not 0.0 < value <= 1.0:
             raise ConfigError(f"eviction.{key} must be in (0, 1], got {value}")
     _check_server(config.server)
-    for entry in config.auth.tokens:
+    for index, entry in enumerate(config.auth.tokens):
         token, _, tenant = entry.partition(":")
-        if not token or not tenant:
-            raise ConfigError(f"auth.tokens entries must look like 'token:tenant', got {entry!r}")
+        if not token or not tenant:  # the entry is a secret: its value is never shown
+            raise ConfigError(
+                f"auth.tokens[{index}] must look like 'token:tenant' "
+                f"(it has {'no tenant' if token else 'no token'}; its value is not shown)"
+            )
     if config.ssd.enabled and not config.ssd.directory.strip():
         raise ConfigError(
             "ssd.directory is empty: name a directory for the SSD tier's files "

@@ -154,7 +154,8 @@ def test_serve_stats_and_sigterm(tmp_path: Path, sock_dir: Path) -> None:
         assert report.returncode == 0, report.stderr
         assert report.stdout.startswith("tier") and "host" in report.stdout
         as_json = json.loads(run_cli("stats", "--address", address, "--json").stdout)
-        assert as_json["puts"] == "1" and as_json["tiers"][0]["name"] == "host"
+        assert as_json["puts"] == 1 and as_json["tiers"][0]["name"] == "host"
+        assert as_json["misses"] == 0  # zeros are printed too, numbers as numbers
         daemon.send_signal(signal.SIGTERM)
         output, _ = daemon.communicate(timeout=60)
         assert daemon.returncode == 0, output
@@ -210,3 +211,32 @@ def test_version_and_a_group_word_alone(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["bench"]) == 2
     listed = capsys.readouterr().err
     assert all(f"kvstore bench {word}:" in listed for word in ("chat", "vllm", "truncation"))
+
+
+def test_a_reader_that_leaves_early_is_no_error() -> None:
+    """``kvstore stats | head``: the pipe closes under the command; no traceback."""
+    code = (
+        "import sys\nfrom kvstore import cli\n"
+        "def talk(args):\n    for _ in range(100000):\n        print('x' * 100)\n    return 0\n"
+        "cli._stats = talk\nsys.exit(cli.main(['stats']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.read(10) == b"x" * 10
+    proc.stdout.close()  # the reader leaves
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and b"Traceback" not in stderr, stderr.decode()
+
+
+def test_stats_json_has_every_field_with_its_own_type() -> None:
+    from kvstore.cli import message_fields
+
+    response = pb.StatsResponse(
+        tiers=[pb.TierStats(name="host", usage_bytes=2**40, hits=0, healthy=True)], gets=7
+    )
+    fields = message_fields(response)
+    assert json.loads(json.dumps(fields)) == fields
+    assert fields["gets"] == 7 and fields["puts"] == 0 and fields["misses"] == 0
+    assert set(fields) == {f.name for f in pb.StatsResponse.DESCRIPTOR.fields}
+    (tier,) = fields["tiers"]  # type: ignore[misc]
+    assert tier["usage_bytes"] == 2**40 and tier["hits"] == 0 and tier["healthy"] is True

@@ -152,7 +152,11 @@ def test_server_and_auth_sections(tmp_path: Path) -> None:
         ('[server]\nsocket_mode = "0999"\n', r"server\.socket_mode must be octal.*'0999'"),
         ('[server]\nchunk_bytes = "8MiB"\n', r"server\.chunk_bytes must be in .*got 8388608"),
         ('[server]\ntls_cert = "a.pem"\n', r"tls_cert and server\.tls_key go together"),
-        ('[auth]\ntokens = ["no-tenant"]\n', r"auth\.tokens entries .*'no-tenant'"),
+        (
+            '[auth]\ntokens = ["no-tenant"]\n',
+            r"auth\.tokens\[0\] .*\(it has no tenant; its value is not shown\)",
+        ),
+        ('[auth]\ntokens = ["a:b", ":x"]\n', r"auth\.tokens\[1\] .*no token"),
         ("[auth]\ntokens = [1, 2]\n", r"auth\.tokens: expected a list of strings, got \[1, 2\]"),
     ],
 )
@@ -164,3 +168,11 @@ def test_bad_server_values(tmp_path: Path, text: str, message: str) -> None:
 def test_a_removed_key_says_why() -> None:
     with pytest.raises(ConfigError, match=r"'host.directory' is gone: the host arenas are"):
         from_mapping({"host": {"directory": "/dev/shm"}})
+
+
+def test_a_malformed_token_is_never_echoed(tmp_path: Path) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text('[auth]\ntokens = ["ok:team", "hunter2-with-no-tenant"]\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert "hunter2" not in str(caught.value) and "auth.tokens[1]" in str(caught.value)
