@@ -185,10 +185,13 @@ def serve_config(path: str | None, listen: Sequence[str] | None) -> Config:
     overrides = {"server": {"listen": list(listen)}} if listen else {}
     config = load_config(path, overrides=overrides)
     if path is None and config.host.enabled and "KVSTORE_HOST__CAPACITY" not in os.environ:
-        from kvstore.defaults import auto_host_capacity
+        from kvstore.defaults import host_default
 
-        host = dataclasses.replace(config.host, capacity=auto_host_capacity())
-        config = dataclasses.replace(config, host=host)
+        capacity, why = host_default()
+        log.info("host tier %s by default: %s", format_size(capacity), why)
+        config = dataclasses.replace(
+            config, host=dataclasses.replace(config.host, capacity=capacity)
+        )
     return config
 
 
@@ -204,7 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = serve_config(args.config, args.listen)
-    log.info("host tier %d bytes", config.host.capacity)
+    _log_layout(config, args.config)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     reread = (lambda: serve_config(args.config, args.listen)) if args.config else None
     try:
@@ -215,6 +218,41 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvstore serve: {error.strerror or error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _log_layout(config: Config, path: str | None) -> None:
+    """Where everything lands and how big it may grow, with units, at start."""
+    log.info("config: %s", path or "embedded defaults")
+    for name in ("host", "ssd", "redis"):
+        tier = getattr(config, name)
+        if not tier.enabled:
+            log.info("%s tier: off", name)
+            continue
+        where = {"host": "memfd arenas (anonymous shared memory)",
+                 "ssd": f"directory {getattr(tier, 'directory', '')}",
+                 "redis": f"url {_without_secrets(getattr(tier, 'url', ''))}"}[name]  # fmt: skip
+        log.info("%s tier: up to %s, %s", name, format_size(tier.capacity), where)
+    log.info("listening on %s", ", ".join(config.server.listen))
+    if config.metrics.listen:
+        log.info("metrics on http://%s/metrics", config.metrics.listen)
+
+
+def _without_secrets(url: str) -> str:
+    """``url`` with any user and password taken out (``redis://:***@host:6379/0``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    return urlunsplit(parts._replace(netloc=f"***@{parts.hostname}:{parts.port or ''}".rstrip(":")))
+
+
+def format_size(size: int) -> str:
+    """``size`` bytes in the largest binary unit that keeps one decimal (``4.0 GiB``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 def _stats(args: argparse.Namespace) -> int:

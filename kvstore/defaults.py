@@ -1,9 +1,11 @@
 """Defaults that depend on the machine: the host tier's size when no config file names one.
 
-``auto_host_capacity()`` = min(25% of ``MemAvailable``, 8 GiB), rounded down to 64 MiB (and at
-least 64 MiB). A daemon started without a config file then fits the machine it lands on
-instead of asking for a fixed 4 GiB that a laptop or a container may not have. (The arenas
-are memfds: their pages are taken as blocks arrive, not at start.)
+``auto_host_capacity()`` = min(25% of the memory limit, 8 GiB), rounded down to 64 MiB (and
+at least 64 MiB). The memory limit is ``MemTotal``, or the cgroup's ``memory.max`` when a
+container sets a lower one: the same on every start of the same machine or container,
+whatever is free at that moment (a share of ``MemAvailable`` gave 4.2-6.1 GB on one machine).
+The arenas are memfds: their pages are taken as blocks arrive, not at start, so the size is a
+ceiling, not a reservation. ``host_default()`` also says why, for the start-up log.
 """
 
 from __future__ import annotations
@@ -14,37 +16,73 @@ from typing import Final
 GRANULE: Final = 64 * 2**20
 CAP: Final = 8 * 2**30
 MEMORY_SHARE: Final = 0.25
+MEMINFO: Final = "/proc/meminfo"
+CGROUP_LIMIT: Final = "/sys/fs/cgroup/memory.max"
 
 
-def host_capacity(mem_available: int | None) -> int:
-    """The host tier size for a machine with this much free memory (see the module doc).
+def host_capacity(memory_limit: int | None) -> int:
+    """The host tier size for a machine (or container) with this much memory.
 
     Args:
-        mem_available: ``MemAvailable`` in bytes, or None when unknown (not Linux): the cap.
+        memory_limit: Bytes, or None when unknown (not Linux): the cap.
     """
     limits = [CAP]
-    if mem_available is not None:
-        limits.append(int(mem_available * MEMORY_SHARE))
+    if memory_limit is not None:
+        limits.append(int(memory_limit * MEMORY_SHARE))
     return max(GRANULE, min(limits) // GRANULE * GRANULE)
 
 
-def mem_available(meminfo: str | Path = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None when it cannot be read."""
+def meminfo_bytes(field: str, meminfo: str | Path = MEMINFO) -> int | None:
+    """A ``/proc/meminfo`` field (``MemTotal``, ``MemAvailable``) in bytes, or None."""
     try:
         text = Path(meminfo).read_text()
     except OSError:
         return None
     for line in text.splitlines():
         name, _, rest = line.partition(":")
-        if name == "MemAvailable":
+        if name == field:
             number, _, unit = rest.strip().partition(" ")
             return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
     return None
 
 
+def cgroup_limit(path: str | Path = CGROUP_LIMIT) -> int | None:
+    """The cgroup v2 memory limit in bytes; None when there is none ("max") or no file."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def memory_limit(
+    meminfo: str | Path = MEMINFO, cgroup: str | Path = CGROUP_LIMIT
+) -> tuple[int | None, str]:
+    """The memory this process may use, and where that figure comes from."""
+    total, limit = meminfo_bytes("MemTotal", meminfo), cgroup_limit(cgroup)
+    if limit is not None and (total is None or limit < total):
+        return limit, f"the cgroup's memory.max {limit / 2**30:.1f} GiB"
+    if total is not None:
+        return total, f"MemTotal {total / 2**30:.1f} GiB"
+    return None, "memory unknown"
+
+
+def host_default(
+    meminfo: str | Path = MEMINFO, cgroup: str | Path = CGROUP_LIMIT
+) -> tuple[int, str]:
+    """The host tier size for this machine, and why (for the log)."""
+    limit, source = memory_limit(meminfo, cgroup)
+    capacity = host_capacity(limit)
+    if limit is None:
+        return capacity, f"{source}: the {CAP // 2**30} GiB cap"
+    if capacity == CAP:
+        return capacity, f"{MEMORY_SHARE:.0%} of {source}, capped at {CAP // 2**30} GiB"
+    return capacity, f"{MEMORY_SHARE:.0%} of {source}, in {GRANULE // 2**20} MiB steps"
+
+
 def auto_host_capacity() -> int:
     """The host tier size for this machine."""
-    return host_capacity(mem_available())
+    return host_default()[0]
 
 
 # glibc mallopt parameters (malloc.h).

@@ -19,7 +19,7 @@ from kvstore.blocks import ROOT_KEY
 from kvstore.cli import format_stats, main, serve_config
 from kvstore.client.keys import block_keys
 from kvstore.config import Config, HostConfig, SsdConfig
-from kvstore.defaults import GRANULE, auto_host_capacity, host_capacity, mem_available
+from kvstore.defaults import auto_host_capacity, host_capacity, host_default, meminfo_bytes
 from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
@@ -49,13 +49,46 @@ def test_host_capacity(mem: int | None, expected: int) -> None:
     assert host_capacity(mem) == expected
 
 
-def test_mem_available_reads_proc_meminfo(tmp_path: Path) -> None:
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:  16000000 kB\nMemAvailable:   8000000 kB\n")
-    assert mem_available(meminfo) == 8_000_000 * 1024
-    assert mem_available(tmp_path / "missing") is None
-    capacity = auto_host_capacity()
-    assert capacity % GRANULE == 0 and GRANULE <= capacity <= 8 * GiB
+def test_the_default_is_a_share_of_the_memory_limit_and_says_why(tmp_path: Path) -> None:
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "memory.max"
+    meminfo.write_text("MemTotal:  16000000 kB\nMemAvailable:   3000000 kB\n")
+    assert meminfo_bytes("MemTotal", meminfo) == 16_000_000 * 1024
+    assert meminfo_bytes("MemTotal", tmp_path / "missing") is None
+    capacity, why = host_default(meminfo, tmp_path / "no-cgroup")
+    assert capacity == host_capacity(16_000_000 * 1024)  # MemTotal, not what is free now
+    assert why == "25% of MemTotal 15.3 GiB, in 64 MiB steps"
+    cgroup.write_text("2147483648\n")  # a container's 2 GiB limit wins over the machine's
+    assert host_default(meminfo, cgroup) == (
+        512 * MiB,
+        "25% of the cgroup's memory.max 2.0 GiB, in 64 MiB steps",
+    )
+    cgroup.write_text("max\n")
+    assert host_default(meminfo, cgroup)[0] == capacity
+    meminfo.write_text("MemTotal:  64000000 kB\n")
+    assert host_default(meminfo, cgroup) == (8 * GiB, "25% of MemTotal 61.0 GiB, capped at 8 GiB")
+    assert host_default(tmp_path / "x", tmp_path / "y") == (
+        8 * GiB,
+        "memory unknown: the 8 GiB cap",
+    )
+    assert auto_host_capacity() == host_default()[0]  # the same on every call
+
+
+def test_start_up_logs_sizes_with_units_and_no_secret(caplog: pytest.LogCaptureFixture) -> None:
+    from kvstore.cli import _log_layout
+    from kvstore.config import RedisConfig
+
+    config = Config(
+        host=HostConfig(capacity=3 * GiB // 2),
+        ssd=SsdConfig(directory="/var/lib/kvstore/ssd", capacity=64 * GiB),
+        redis=RedisConfig(enabled=True, url="redis://:s3cret@cache:6379/0", capacity=GiB),
+    )
+    with caplog.at_level("INFO", logger="kvstore"):
+        _log_layout(config, "/etc/kvstore.toml")
+    text = caplog.text
+    assert "host tier: up to 1.5 GiB, memfd arenas" in text
+    assert "ssd tier: up to 64.0 GiB, directory /var/lib/kvstore/ssd" in text
+    assert "redis tier: up to 1.0 GiB, url redis://***@cache:6379/0" in text
+    assert "s3cret" not in text
 
 
 def test_serve_config_sizes_the_host_tier_only_without_a_file(
