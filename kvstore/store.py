@@ -84,6 +84,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+FLUSH_PROGRESS_S = 2.0  # a long flush (shutdown) says how far it is this often
 
 KEY_BYTES = 32
 
@@ -400,15 +401,26 @@ class BlockStore:
         if len(self._tiers) < 2 or self._tiers[0].codec is not None:
             return 0
         top, lower = self._tiers[0], self._tiers[1]
-        flushed = 0
-        for node in self.index.nodes():
-            if node.tiers != {top.name} or not node.committed or node.doomed:
-                continue
-            if not lower.write.admits_demotion(node.hits):
+        due = [
+            node
+            for node in self.index.nodes()
+            if node.tiers == {top.name} and node.committed and not node.doomed
+            and lower.write.admits_demotion(node.hits)
+        ]  # fmt: skip
+        if due:
+            size = sum(node.size for node in due)
+            log.info("flushing %d blocks (%.1f MiB) from %s to %s", len(due), size / 2**20,
+                     top.name, lower.name)  # fmt: skip
+        flushed, said = 0, time.monotonic()
+        for done, node in enumerate(due, 1):
+            if node.tiers != {top.name} or node.doomed:  # deleted or copied meanwhile
                 continue
             payload = await self._placement.read_payload(top, node)
             if payload is not None and await self._placement.store_in(lower, node, payload):
                 flushed += 1
+            if time.monotonic() - said >= FLUSH_PROGRESS_S and done < len(due):
+                said = time.monotonic()
+                log.info("flushing: %d of %d blocks done", done, len(due))
         log.info("flushed %d blocks from %s to %s", flushed, top.name, lower.name)
         return flushed
 

@@ -304,12 +304,23 @@ async def test_restart_rebuilds_from_ssd_and_drops_damaged_files(make_store, tmp
         assert (await store.get(blocks[3][0], NAMESPACE)).payload == blocks[3][2]
 
 
-async def test_flush_on_close_keeps_write_back_blocks(make_store, tmp_path) -> None:
+async def test_flush_on_close_keeps_write_back_blocks(
+    make_store, tmp_path, caplog, monkeypatch
+) -> None:
     ssd_dir = tmp_path / "wb"
     blocks = chain("wb", 3)
+    monkeypatch.setattr("kvstore.store.FLUSH_PROGRESS_S", 0.0)  # a line after every block
     async with make_store(host_blocks=8, ssd_policy="write_back", ssd_dir=ssd_dir) as store:
         await put_all(store, blocks)
         assert store.tier("ssd").tier.usage() == 0
+        caplog.set_level("INFO", logger="kvstore.store")
+    said = [r.getMessage() for r in caplog.records if r.name == "kvstore.store"]
+    assert said == [
+        "flushing 3 blocks (0.0 MiB) from host to ssd",
+        "flushing: 1 of 3 blocks done",
+        "flushing: 2 of 3 blocks done",
+        "flushed 3 blocks from host to ssd",
+    ]
     async with make_store(host_blocks=8, ssd_policy="write_back", ssd_dir=ssd_dir) as store:
         assert (await store.lookup(keys_of(blocks), NAMESPACE)).num_blocks == 3
         for key, _, payload in blocks:
