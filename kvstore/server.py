@@ -244,7 +244,7 @@ def _bind_all(
     for address in config.listen:
         if address.startswith("unix:"):
             path = unix_path(address)
-            prepare_socket_path(path)
+            prepare_socket_path(path, int(config.socket_mode, 8))
             server.add_insecure_port(f"unix:{path}")
             os.chmod(path, int(config.socket_mode, 8))
             addresses.append(f"unix:{path}")
@@ -288,7 +288,7 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> N
     for signum, handler in handled.items():
         loop.add_signal_handler(signum, handler)
     try:
-        claimed = claim_sockets(config.server.listen)
+        claimed = claim_sockets(config.server.listen, int(config.server.socket_mode, 8))
         try:
             await _serve_claimed(config, stop, hangups, reread)
         finally:

@@ -175,7 +175,7 @@ class SessionServer:
 
     async def start(self) -> None:
         """Binds the socket (refusing a path a live daemon holds) and starts accepting."""
-        prepare_socket_path(self.path)
+        prepare_socket_path(self.path, self._mode)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(str(self.path))

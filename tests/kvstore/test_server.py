@@ -10,6 +10,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -451,6 +452,40 @@ async def test_socket_mode_and_bound_addresses(tmp_path: Path, short_dir: Path, 
             await create_server(make_config(tmp_path, short_dir), store)
         assert caught.value.errno == errno.EADDRINUSE
     assert socket_mode(path) is None  # removed on stop
+
+
+CONNECT_AS = """
+import os, socket, sys
+path, group = sys.argv[1], int(sys.argv[2])
+os.setgroups([group] if group >= 0 else [])
+os.setgid(65534)
+os.setuid(65534)
+try:
+    socket.socket(socket.AF_UNIX).connect(path)
+    print("connected")
+except OSError as error:
+    print("refused", error.errno)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+async def test_a_group_socket_is_reachable_by_the_group_only(tmp_path: Path) -> None:
+    top = Path(tempfile.mkdtemp(prefix="kv-"))  # under /tmp: every directory above is passable
+    os.chmod(top, 0o711)
+    async with daemon(make_config(tmp_path, top, mode="0660")) as kv:
+        path = Path(kv.running.addresses[0].removeprefix("unix:"))
+        assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o750  # was 0700: no one passed
+        group = os.stat(path).st_gid
+
+        def connect(as_group: int) -> str:
+            done = subprocess.run([sys.executable, "-c", CONNECT_AS, str(path), str(as_group)],
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            return done.stdout.strip()
+
+        assert connect(group) == "connected"  # another user in the socket's group
+        assert connect(-1) == f"refused {errno.EACCES}"  # another user outside it
+    shutil.rmtree(top, ignore_errors=True)
 
 
 async def test_stop_turns_health_off_and_flushes_write_back_blocks(
