@@ -80,7 +80,13 @@ def hold(address: str) -> None:
         assert view.readonly  # a view is for reading: write through the mapping
     half = session.staging.tensor(slot.offset, BLOCK // 2)
     half.numpy()[:] = memoryview(payload(keys[2])[: BLOCK // 2])
-    report = {"lease_slots": len(acquired.slots), "reserved": len(reserved.reservations)}
+    # Read back at once, by this process: a lease of the daemon's short test TTL may end
+    # before another client has even connected.
+    stats = stub.Stats(pb.StatsRequest())
+    host = next(t for t in stats.tiers if t.name == "host")
+    report = {"lease_slots": len(acquired.slots), "reserved": len(reserved.reservations),
+              "active": [stats.active_leases, stats.active_reservations],
+              "host_bytes": host.usage_bytes}  # fmt: skip
     print(json.dumps(report), flush=True)
     time.sleep(3600)
 
