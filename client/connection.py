@@ -112,6 +112,7 @@ class Connection:
         self._pin_arena = pin_arena
         self._use_shm = use_shm
         self._no_shm: set[str] = set()  # tenants whose session the daemon refused
+        self._warned_no_shm = False  # the WARNING that shm is out has been logged
         self._releases: set[asyncio.Task[None]] = set()
         self._tls_root_cert = tls_root_cert
         self._channel: grpc.aio.Channel | None = None
@@ -292,8 +293,13 @@ class Connection:
         if self._stale or self._stale_always:
             await self.refresh()
         found = self.sessions.get(tenant)
-        if found is not None or not self.shm_possible or tenant in self._no_shm:
+        if found is not None or tenant in self._no_shm:
             return found
+        if not self.shm_possible:
+            info = self._info
+            if self._use_shm and info is not None and info.shm_socket:  # offered, not seen
+                self._cannot_map(info.shm_socket, "no such file in this process's view")
+            return None
         async with self._session_lock:
             if tenant not in self.sessions:
                 opened = await self._open_session(tenant)
@@ -307,7 +313,7 @@ class Connection:
         try:
             opened = await ShmSession.open(info.shm_socket, hello, pin_arena=self._pin_arena)
         except (OSError, SessionError) as error:
-            log.info("%s: no shm session (%s); streaming instead", self.address, error)
+            self._cannot_map(info.shm_socket, str(error))
             if isinstance(error, SessionError):
                 self._no_shm.add(tenant)
             return None
@@ -317,6 +323,15 @@ class Connection:
             self._no_shm.add(tenant)
             return None
         return opened
+
+    def _cannot_map(self, shm_socket: str, why: str) -> None:
+        """Says why KV bytes stream instead of being mapped: once per connection at WARNING
+        (streaming is several times slower), then at DEBUG (later calls try again, since a
+        restarting daemon heals)."""
+        level = logging.DEBUG if self._warned_no_shm else logging.WARNING
+        self._warned_no_shm = True
+        log.log(level, "%s: cannot map the daemon's shared memory through %s (%s); "
+                "streaming instead", self.address, shm_socket, why)  # fmt: skip
 
     def check_fresh(self, session: ShmSession, method: str, arena_id: bytes = b"") -> None:
         """Raises :class:`StaleArenaError` unless the slots the daemon just named lie in this

@@ -96,6 +96,10 @@ class Stats:
     active_reservations: int
     lookups: int
     lookup_hit_blocks: int
+    expired_leases: int = 0
+    expired_reservations: int = 0
+    uptime_seconds: float = 0.0
+    version: str = ""
 
 
 # Requests ---------------------------------------------------------------------------------

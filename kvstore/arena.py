@@ -279,6 +279,7 @@ class ArenaPlane:
         self._host.commit(node.id)
         node.checksum = found
         self._placement.index.add_copy(node, self._top.name)
+        self._counts[f"written_bytes.{self._top.name}"] += node.size
         node.busy += 1
         try:
             with self._host.view(slot) as payload:

@@ -5,7 +5,9 @@ Order of precedence (later wins): the embedded defaults below, a TOML file
 (``KVSTORE_SSD__CAPACITY=64GiB``), then explicit overrides (CLI flags) passed to
 :func:`load_config`. Every value is checked once, here: an unknown section or key, a wrong
 type, a negative size or an impossible combination raises :class:`ConfigError` naming the key
-and the value. Sizes accept units (``"512MiB"``, ``"8GiB"``, ``"1.5GB"``, plain bytes);
+and the value. Sizes take binary units (``"512MiB"``, ``"8GiB"``, ``"1.5TiB"``) or bytes;
+``"1GB"``, ``"1gb"`` and ``"1g"`` are refused as ambiguous (SI reads ``GB`` as 10^9, redis.conf
+as 2^30);
 durations accept ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or seconds as a number.
 
 The annotated example is ``deploy/kvstore.example.toml``.
@@ -14,6 +16,7 @@ The annotated example is ``deploy/kvstore.example.toml``.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import itertools
 import os
 import re
@@ -27,16 +30,18 @@ from typing import Final
 import platformdirs
 
 from kvstore.policies import EVICTION_POLICIES, WRITE_POLICIES
+from kvstore.tiers.redis_url import check_tls, check_url
 
 COMPRESSIONS: Final = ("none", "lz4", "lz4_shuffle")
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+TIER_SECTIONS: Final = ("host", "ssd", "redis")  # the tiers a config can turn on, top first
 ENV_PREFIX: Final = "KVSTORE_"
 
-_SIZE_UNITS: Final = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}  # fmt: skip
+# One convention: binary IEC units. "KB", "1g" and "1gb" are refused, not guessed: SI reads
+# "1GB" as 10^9 and redis.conf reads "1gb" as 2^30 and "1g" as 10^9.
+_SIZE_UNITS: Final = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMBIGUOUS_UNITS: Final = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB",
+                           "kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB"}  # fmt: skip
 _DURATION_UNITS: Final = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _NUMBER_WITH_UNIT: Final = re.compile(
     r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$"
@@ -105,6 +110,11 @@ class RedisConfig:
     ttl: float = duration(default=0.0)
     pool_size: int = 16
     timeout: float = duration(default=1.0)
+    # With a rediss URL: PEM files of the CA that signed the servers' certificates (empty: the
+    # system's; certificates are always verified), and a client certificate and its key.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +143,12 @@ class ServerConfig:
     # "unix:/path/to.sock" or "host:port" (TCP); several allowed.
     listen: tuple[str, ...] = field(default_factory=lambda: (default_socket(),))
     socket_mode: str = "0600"  # unix socket permissions (octal); "0660" to share with a group
+    socket_group: str = ""  # group (name or gid) of the sockets and of a directory made for them
     max_message_bytes: int = size(default=8 * 2**20)
     chunk_bytes: int = size(default=2**20)  # payload bytes per streamed chunk
     lease_ttl: float = duration(default=10.0)  # leases and reservations expire after this
     shutdown_grace: float = duration(default=5.0)
+    log_level: str = "info"  # debug | info | warning | error; SIGHUP applies a change
     tls_cert: str = ""  # PEM files; both set = TLS on TCP listeners
     tls_key: str = ""
     # Limits checked before any work: the largest block a namespace may have (at
@@ -183,7 +195,8 @@ class Config:
 
 
 def parse_size(text: str | float, key: str = "size") -> int:
-    """Parses ``"8GiB"``, ``"512MiB"``, ``"1.5GB"`` or a byte count into bytes.
+    """Parses ``"8GiB"``, ``"512MiB"``, ``"1.5TiB"`` or a byte count into bytes (``KiB`` =
+    1024; the ambiguous ``KB``, ``k`` and kin are refused).
 
     Raises:
         ConfigError: the text is not a size, or the size is negative.
@@ -196,6 +209,11 @@ def parse_size(text: str | float, key: str = "size") -> int:
     else:
         match = _NUMBER_WITH_UNIT.match(str(text))
         unit = match.group(2).lower() if match else None
+        if match is not None and unit in _AMBIGUOUS_UNITS:
+            raise ConfigError(
+                f"{key}: {text!r} is ambiguous (SI and redis.conf read it differently): "
+                f"write {match.group(1)}{_AMBIGUOUS_UNITS[unit]} (binary) or a byte count"
+            )
         if match is None or unit not in _SIZE_UNITS:
             raise ConfigError(f"{key}: expected a size like '8GiB' or '512MiB', got {text!r}")
         value = float(match.group(1)) * _SIZE_UNITS[unit]
@@ -413,7 +431,34 @@ def validate(config: Config) -> None:
         raise ConfigError(f"metrics.listen must look like 'host:port', got {listen!r}")
     if config.redis.pool_size < 1:
         raise ConfigError(f"redis.pool_size must be >= 1, got {config.redis.pool_size}")
+    if config.redis.enabled:
+        try:
+            check_url(config.redis.url)
+        except ValueError as error:
+            raise ConfigError(f"redis.url: {error}") from None
+        rc = config.redis
+        try:
+            check_tls(rc.url, rc.tls_ca, rc.tls_cert, rc.tls_key)
+        except ValueError as error:
+            raise ConfigError(f"redis.{error}") from None
     _check_tiers(config)
+
+
+def socket_gid(server: ServerConfig) -> int | None:
+    """The gid ``server.socket_group`` names (a group name or a number); None when empty.
+
+    Raises:
+        ConfigError: no such group on this machine.
+    """
+    name = server.socket_group.strip()
+    if not name:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.socket_group: no group named {name!r} on this machine") from None
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -456,6 +501,8 @@ def _check_server(server: ServerConfig) -> None:
         raise ConfigError(
             f"server.socket_mode must be octal like '0600', got {server.socket_mode!r}"
         )
+    socket_gid(server)
+    _check_choice("server.log_level", server.log_level, LOG_LEVELS)
     if server.chunk_bytes <= 0 or server.chunk_bytes > server.max_message_bytes // 2:
         raise ConfigError(
             f"server.chunk_bytes must be in 1..max_message_bytes/2 "

@@ -149,6 +149,14 @@ class RadixIndex:
     def nodes(self) -> Iterator[Node]:
         return iter(list(self._nodes.values()))
 
+    def namespaces(self) -> list[bytes]:
+        """The namespaces that have nodes."""
+        return list(self._spaces)
+
+    def in_namespace(self, namespace: bytes) -> list[Node]:
+        """The nodes of ``namespace``, committed or not."""
+        return list(self._spaces.get(namespace, {}).values())
+
     def get(self, block: bytes) -> Node | None:
         return self._nodes.get(block)
 

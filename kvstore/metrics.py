@@ -14,6 +14,10 @@ Names follow Prometheus' conventions (``_bytes``, ``_seconds``, counters ``_tota
   ``kvstore_corrupt_blocks_total``, ``kvstore_corrupt_writes_total``,
   ``kvstore_lookups_total``, ``kvstore_lookup_hit_blocks_total``,
   ``kvstore_prefetches_dropped_total``;
+- per tier also ``kvstore_tier_read_bytes_total``, ``kvstore_tier_written_bytes_total``;
+  ``kvstore_expired_leases_total``, ``kvstore_expired_reservations_total``;
+- per gRPC method (:class:`RpcMetrics`): ``kvstore_rpc_duration_seconds`` (histogram) and
+  ``kvstore_rpcs_total`` by status code;
 - ``kvstore_blocks``, ``kvstore_leases_active``, ``kvstore_reservations_active``,
   ``kvstore_prefetches_in_flight``, ``kvstore_uptime_seconds``, ``kvstore_build_info``
   (label ``version``).
@@ -24,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import start_http_server
+import grpc
+from prometheus_client import Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -40,7 +45,11 @@ log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the event loop
 
 _COUNTERS = ("gets", "misses", "puts", "dedup_puts", "promotions", "demotions", "dropped_saves",
-             "corrupt_blocks", "corrupt_writes")  # fmt: skip
+             "corrupt_blocks", "corrupt_writes", "expired_leases",
+             "expired_reservations")  # fmt: skip
+# Seconds: a lookup or a small unary call takes ~0.1-1 ms, a streamed get of MiBs 1-100 ms.
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+               0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
 
 
 class StatsCollector(Collector):
@@ -50,7 +59,6 @@ class StatsCollector(Collector):
         self, snapshot: Callable[[], ServiceStats], loop: asyncio.AbstractEventLoop
     ) -> None:
         self._snapshot, self._loop = snapshot, loop
-        self._started = time.monotonic()
 
     def _read(self) -> ServiceStats:
         async def read() -> ServiceStats:
@@ -68,7 +76,11 @@ class StatsCollector(Collector):
             "healthy": ("1 while the tier answers", GaugeMetricFamily, "healthy"),
             "hits": ("Block reads served from the tier", CounterMetricFamily, "hits"),
             "evictions": ("Blocks evicted from the tier", CounterMetricFamily, "evictions"),
-        }
+            "read_bytes": ("Payload bytes of the reads the tier served", CounterMetricFamily,
+                           "read_bytes"),
+            "written_bytes": ("Bytes written into the tier (after compression)",
+                              CounterMetricFamily, "written_bytes"),
+        }  # fmt: skip
         for name, (doc, family, field) in per_tier.items():
             metric = family(f"kvstore_tier_{name}", doc, labels=["tier"])
             for tier in store.tiers:
@@ -89,8 +101,7 @@ class StatsCollector(Collector):
                                     store.active_reservations),
             "prefetches_in_flight": ("Prefetch hints being carried out",
                                      stats.prefetches_in_flight),
-            "uptime_seconds": ("Seconds since the daemon started serving",
-                               time.monotonic() - self._started),
+            "uptime_seconds": ("Seconds since the daemon started", stats.uptime_seconds),
         }  # fmt: skip
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"kvstore_{name}", doc, value=value)
@@ -99,8 +110,80 @@ class StatsCollector(Collector):
         yield info
 
 
+class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Per-method call latency and status counts of the gRPC server it intercepts (first
+    in the interceptor list, so calls that authentication refuses are counted too):
+    ``kvstore_rpc_duration_seconds{method}`` (a histogram; a streamed call is timed to its
+    last message) and ``kvstore_rpcs_total{method,code}``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._latency = Histogram("kvstore_rpc_duration_seconds", "gRPC call latency", ["method"],
+                                  buckets=RPC_BUCKETS, registry=self.registry)  # fmt: skip
+        self._calls = Counter("kvstore_rpcs", "gRPC calls by status code", ["method", "code"],
+                              registry=self.registry)  # fmt: skip
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rpartition("/")[2]
+        codecs = {"request_deserializer": handler.request_deserializer,
+                  "response_serializer": handler.response_serializer}  # fmt: skip
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._timed(method, handler.unary_unary), **codecs
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._timed(method, handler.stream_unary), **codecs
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._timed_stream(method, handler.unary_stream), **codecs
+            )
+        return handler  # bidirectional streams: none in this service
+
+    def _record(self, method: str, started: float, context: Any, failed: bool) -> None:
+        code = context.code()
+        name = code.name if isinstance(code, grpc.StatusCode) else ("UNKNOWN" if failed else "OK")
+        self._latency.labels(method).observe(time.perf_counter() - started)
+        self._calls.labels(method, name).inc()
+
+    def _timed(self, method: str, behavior: Any) -> Any:
+        async def timed(request: Any, context: Any) -> Any:
+            started, failed = time.perf_counter(), True
+            try:
+                reply = await behavior(request, context)
+                failed = False
+                return reply
+            finally:
+                self._record(method, started, context, failed)
+
+        return timed
+
+    def _timed_stream(self, method: str, behavior: Any) -> Any:
+        async def timed(request: Any, context: Any) -> AsyncIterator[Any]:
+            started, failed = time.perf_counter(), True
+            try:
+                async for message in behavior(request, context):
+                    yield message
+                failed = False
+            finally:
+                self._record(method, started, context, failed)
+
+        return timed
+
+
 def serve_metrics(
-    listen: str, snapshot: Callable[[], ServiceStats], loop: asyncio.AbstractEventLoop
+    listen: str,
+    snapshot: Callable[[], ServiceStats],
+    loop: asyncio.AbstractEventLoop,
+    rpcs: RpcMetrics | None = None,
 ) -> tuple[Callable[[], None], int]:
     """Starts the endpoint on ``listen`` (``host:port``; port 0 picks one). Returns a
     function that stops it, and the port it listens on.
@@ -109,7 +192,7 @@ def serve_metrics(
         OSError: the address cannot be bound (the message names it).
     """
     host, _, port = listen.rpartition(":")
-    registry = CollectorRegistry(auto_describe=False)
+    registry = CollectorRegistry(auto_describe=False) if rpcs is None else rpcs.registry
     registry.register(StatsCollector(snapshot, loop))
     try:
         server, thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)

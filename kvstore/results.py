@@ -74,6 +74,16 @@ class TierStats:
     hits: int
     evictions: int
     healthy: bool
+    read_bytes: int = 0  # payload bytes of the reads (hits) the tier served
+    written_bytes: int = 0  # bytes written into the tier (after its compression)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceUsage:
+    namespace: bytes
+    blocks: int  # committed blocks
+    size: int  # their payload bytes
+    tiers: tuple[tuple[str, int], ...]  # (tier, blocks it holds a copy of), top tier first
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +101,8 @@ class StoreStats:
     corrupt_writes: int
     active_leases: int
     active_reservations: int
+    expired_leases: int = 0  # ended by their TTL: a client that never released
+    expired_reservations: int = 0  # ended uncommitted: the TTL ran out or the writer went away
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,11 @@
   ``server.socket_mode``; TCP port 0 gets a free port, reported in ``addresses``; TLS on TCP
   when ``tls_cert``/``tls_key`` are set), opens the shm-session socket beside the first unix
   socket when there is a host tier (:mod:`kvstore.sessions`), starts serving and marks
-  health SERVING.
+  health SERVING. Health names: ``""`` and ``kvstore.v1.KVStore`` (the daemon serves: they
+  stay SERVING while a tier is down, since host and SSD still serve), ``kvstore.tiers``
+  (NOT_SERVING while any tier is down: degraded) and ``kvstore.tier.<name>`` per tier
+  (``TierHealthServicer``: brought up to date by every ``Check``, so a probe right after a
+  tier failed sees it, and every ``HEALTH_POLL_S`` for ``Watch`` streams).
 - ``serve(config)`` runs the daemon until SIGTERM or SIGINT: start the store and server; on a
   signal stop accepting, let calls in flight finish within ``shutdown_grace``, cancel
   prefetches, close the store (write-back blocks are flushed to SSD), remove the sockets.
@@ -20,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import hmac
 import logging
-import os
 import secrets
 import signal
 from collections.abc import Awaitable, Callable
@@ -32,14 +36,27 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.config import AuthConfig, Config, ConfigError, ServerConfig
+from kvstore.config import (
+    TIER_SECTIONS,
+    AuthConfig,
+    Config,
+    ConfigError,
+    ServerConfig,
+    socket_gid,
+)
 from kvstore.errors import StoreError, UnauthenticatedError
-from kvstore.metrics import serve_metrics
+from kvstore.metrics import RpcMetrics, serve_metrics
 from kvstore.service import KVStoreService
 from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
 from kvstore.sessions import SessionServer
 from kvstore.shm_wire import session_path
-from kvstore.sockets import claim_sockets, prepare_socket_path, unix_path
+from kvstore.sockets import (
+    check_tcp_addresses,
+    claim_sockets,
+    prepare_socket_path,
+    set_access,
+    unix_path,
+)
 from kvstore.store import BlockStore
 from kvstore.tiers import collector
 
@@ -48,7 +65,11 @@ __all__ = ["STATUS_CODES", "Authenticator", "RunningServer", "create_server", "s
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvstore.v1.KVStore"
+TIERS_HEALTH = "kvstore.tiers"  # NOT_SERVING while any tier is down: the daemon is degraded
+TIER_HEALTH = "kvstore.tier."  # + a tier's name: that tier
+HEALTH_POLL_S = 0.5
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Authenticator:
@@ -149,17 +170,22 @@ class RunningServer:
 
     server: grpc.aio.Server
     service: KVStoreService
-    health: health.aio.HealthServicer
+    health: TierHealthServicer
     addresses: tuple[str, ...]  # as bound: "unix:/path", "127.0.0.1:41234" (port 0 resolved)
     socket_paths: tuple[Path, ...]
     grace: float
     sessions: SessionServer | None = None
     authenticator: Authenticator | None = None
+    rpcs: RpcMetrics | None = None  # per-call metrics, when [metrics] listen is set
+    tier_health: asyncio.Task[None] | None = None  # keeps the tiers' health names current
 
     async def stop(self, grace: float | None = None) -> None:
         """Marks health NOT_SERVING, stops accepting, lets calls in flight finish within
         ``grace`` seconds (default ``server.shutdown_grace``), cancels prefetches and removes
         the unix sockets."""
+        if self.tier_health is not None:
+            self.tier_health.cancel()
+            await asyncio.gather(self.tier_health, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace if grace is None else grace)
         if self.sessions is not None:
@@ -183,13 +209,18 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
     options = [
         ("grpc.max_receive_message_length", limits),
         ("grpc.max_send_message_length", limits),
+        ("grpc.so_reuseport", 0),  # a second daemon on this port fails to bind, not shares it
     ]
     authenticator = Authenticator(config.auth)
-    server = grpc.aio.server(interceptors=[AuthInterceptor(authenticator)], options=options)
+    rpcs = RpcMetrics() if config.metrics.listen else None
+    interceptors = [AuthInterceptor(authenticator)]
+    server = grpc.aio.server(
+        interceptors=interceptors if rpcs is None else [rpcs, *interceptors], options=options
+    )
     service = KVStoreService(store, config, secrets.token_bytes(16))
     servicer = KVStoreServicer(service, authenticator.tenant_of, config.server.chunk_bytes)
     add_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = TierHealthServicer(store)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     addresses, paths = _bind_all(server, config.server)
     sessions = _sessions(config, store, service, authenticator, paths)
@@ -199,6 +230,7 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.refresh()
     log.info("kvstore listening on %s", ", ".join(addresses))
     return RunningServer(
         server,
@@ -209,7 +241,40 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
         config.server.shutdown_grace,
         sessions,
         authenticator,
+        rpcs,
+        asyncio.get_running_loop().create_task(health_servicer.watch_tiers()),
     )
+
+
+class TierHealthServicer(health.aio.HealthServicer):  # type: ignore[misc]  # untyped
+    """The standard health service, whose ``kvstore.tiers`` and ``kvstore.tier.<name>``
+    follow ``store``'s tiers: ``refresh()`` sets the names whose tier changed."""
+
+    def __init__(self, store: BlockStore) -> None:
+        super().__init__()
+        self._store = store
+        self._shown: dict[str, bool] = {}
+
+    async def refresh(self) -> None:
+        states = {TIER_HEALTH + slot.name: slot.tier.healthy() for slot in self._store.tiers}
+        states[TIERS_HEALTH] = all(states.values())
+        for name, up in states.items():
+            if self._shown.get(name) != up:
+                status = health_pb2.HealthCheckResponse.SERVING if up else _NOT_SERVING
+                await self.set(name, status)
+                self._shown[name] = up
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def watch_tiers(self) -> None:
+        """Refreshes every ``HEALTH_POLL_S`` (for ``Watch`` streams), until cancelled."""
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            await self.refresh()
 
 
 def _sessions(
@@ -225,6 +290,7 @@ def _sessions(
     return SessionServer(
         Path(session_path(str(paths[0]))),
         socket_mode=int(config.server.socket_mode, 8),
+        socket_gid=socket_gid(config.server),
         store=store,
         tenant_of=authenticator.tenant_of_token,
         on_close=service.close_session,
@@ -244,17 +310,24 @@ def _bind_all(
     for address in config.listen:
         if address.startswith("unix:"):
             path = unix_path(address)
-            prepare_socket_path(path, int(config.socket_mode, 8))
+            mode, gid = int(config.socket_mode, 8), socket_gid(config)
+            prepare_socket_path(path, mode, gid)
             server.add_insecure_port(f"unix:{path}")
-            os.chmod(path, int(config.socket_mode, 8))
+            set_access(path, mode, gid)
             addresses.append(f"unix:{path}")
             paths.append(path)
         else:
             host = address.rpartition(":")[0]
-            if credentials is None:
-                port = server.add_insecure_port(address)
-            else:
-                port = server.add_secure_port(address, credentials)
+            try:
+                if credentials is None:
+                    port = server.add_insecure_port(address)
+                else:
+                    port = server.add_secure_port(address, credentials)
+            except RuntimeError as error:  # gRPC says no more than "failed to bind"
+                raise OSError(
+                    errno.EADDRNOTAVAIL,
+                    f"server.listen {address}: cannot bind (in use, or not this host's address)",
+                ) from error
             addresses.append(f"{host}:{port}")
     return tuple(addresses), tuple(paths)
 
@@ -288,8 +361,11 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> N
     for signum, handler in handled.items():
         loop.add_signal_handler(signum, handler)
     try:
-        claimed = claim_sockets(config.server.listen, int(config.server.socket_mode, 8))
+        claimed = claim_sockets(
+            config.server.listen, int(config.server.socket_mode, 8), socket_gid(config.server)
+        )
         try:
+            check_tcp_addresses(config.server.listen)
             await _serve_claimed(config, stop, hangups, reread)
         finally:
             for lock in claimed:
@@ -316,7 +392,10 @@ async def _serve_claimed(
         stop_metrics = None
         if config.metrics.listen:
             stop_metrics, _ = serve_metrics(
-                config.metrics.listen, running.service.stats, asyncio.get_running_loop()
+                config.metrics.listen,
+                running.service.stats,
+                asyncio.get_running_loop(),
+                running.rpcs,
             )
         frozen = collector.freeze()
         log.info("garbage collector: %d start-up objects frozen out of full collections", frozen)
@@ -367,8 +446,8 @@ def reload(
     old: Config, new: Config, running: RunningServer, store: BlockStore
 ) -> tuple[list[str], list[str]]:
     """Applies what changed from ``old`` to ``new`` that a running daemon can take: the
-    tokens, the eviction watermarks, the tiers' TTLs. Returns those changes, and the changed
-    keys that need a restart (left as they were)."""
+    tokens, the eviction watermarks, the log level, the tiers' TTLs. Returns those changes,
+    and the changed keys that need a restart (left as they were)."""
     applied: list[str] = []
     if new.auth != old.auth and running.authenticator is not None:
         running.authenticator.replace(new.auth)
@@ -377,8 +456,11 @@ def reload(
     if (high, low) != (old.eviction.high_watermark, old.eviction.low_watermark):
         store.set_watermarks(high, low)
         applied.append(f"eviction watermarks {low:g}-{high:g}")
+    if new.server.log_level != old.server.log_level:
+        logging.getLogger().setLevel(new.server.log_level.upper())
+        applied.append(f"server.log_level {new.server.log_level}")
     names = {slot.name for slot in store.tiers}
-    for section in ("host", "ssd", "redis"):
+    for section in TIER_SECTIONS:
         ttl = getattr(new, section).ttl
         if ttl != getattr(old, section).ttl and section in names:
             store.tier(section).ttl = ttl
@@ -387,6 +469,7 @@ def reload(
     kept = dataclasses.replace(
         new,
         auth=old.auth,
+        server=dataclasses.replace(new.server, log_level=old.server.log_level),
         eviction=dataclasses.replace(
             new.eviction,
             high_watermark=old.eviction.high_watermark,

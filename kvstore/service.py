@@ -12,6 +12,9 @@
 - ``get`` -> the leading held blocks; ``put`` -> one block from the streamed data plane;
   with a host tier, ``held`` and ``land`` let the streams read and write blocks in the arena;
 - ``prefetch`` -> hints run as named background tasks; ``delete``; ``stats``;
+- operations: ``namespaces`` (with usage), ``evict`` (a namespace or a tenant), ``flush``.
+  With tokens on, a tenant's token reaches its own tenant's namespaces only, and an operator
+  token (tenant :data:`OPERATOR`, ``"token:*"``) every tenant's; ``flush`` needs the latter;
 - ``aclose()`` cancels prefetches and waits for the background work to end.
 
 Checks (:mod:`kvstore.checks`), all before any work: keys and parents are 32 bytes, at most
@@ -33,6 +36,7 @@ import itertools
 import logging
 import math
 import secrets
+import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -60,7 +64,15 @@ from kvstore.errors import (
 )
 from kvstore.index import BlockMeta
 from kvstore.namespace import ModelFingerprint, Namespace
-from kvstore.results import Acquired, Block, LookupResult, PutStatus, Reserved, StoreStats
+from kvstore.results import (
+    Acquired,
+    Block,
+    LookupResult,
+    NamespaceUsage,
+    PutStatus,
+    Reserved,
+    StoreStats,
+)
 from kvstore.sessions import Session, SessionServer
 from kvstore.store import BlockStore, Commit
 from kvstore.streams import ArenaStreams, HeldBlock, Landing
@@ -86,6 +98,7 @@ MAX_PREFETCH_TASKS = 64  # hints past this many in flight are dropped (they are 
 MAX_NAMESPACES = 1024  # per tenant
 MAX_TENANTS = 256  # with namespaces registered at once (each has a host arena of its own)
 MAX_LEASES = 1 << 16  # per tenant, live at once
+OPERATOR = "*"  # the tenant of tokens that may run the operations on every tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +131,24 @@ class ServiceStats:
     lookup_hit_blocks: int
     prefetches_in_flight: int
     prefetches_dropped: int
+    uptime_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class _Registered:
     tenant: str
     layout: BlockLayout
+    model_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    """A namespace's usage and whose it is (``tenant`` "": found in a tier, not registered
+    since the daemon started)."""
+
+    usage: NamespaceUsage
+    tenant: str
+    model_name: str
 
 
 class KVStoreService:
@@ -138,6 +163,7 @@ class KVStoreService:
     def __init__(self, store: BlockStore, config: Config, instance_id: bytes = b"") -> None:
         self._store = store
         self._server = config.server
+        self._started = time.monotonic()
         self.instance_id = instance_id or secrets.token_bytes(16)
         top = store.tiers[0].tier
         self._streams = ArenaStreams(store, top) if isinstance(top, HostTier) else None
@@ -215,7 +241,7 @@ class KVStoreService:
             raise ResourceExhaustedError(
                 f"{MAX_TENANTS} tenants have namespaces registered already; {tenant!r} cannot"
             )
-        self._namespaces[digest] = _Registered(tenant, layout)
+        self._namespaces[digest] = _Registered(tenant, layout, model.model_name)
         self._per_tenant[tenant] += 1
         self._store.register_namespace(digest, tenant)
         log.info("registered namespace %s: %s for tenant %r", digest.hex(), model, tenant)
@@ -491,7 +517,8 @@ class KVStoreService:
     async def close_session(self, session: Session) -> None:
         """Aborts what a closed session left reserved (its client went away)."""
         for block in list(session.slots):
-            await self._store.abort(block[:KEY_BYTES], block[KEY_BYTES:], owner=session.id)
+            key, space = block[:KEY_BYTES], block[KEY_BYTES:]
+            await self._store.abort(key, space, owner=session.id, abandoned=True)
             session.give(block)
 
     def _session(self, session: bytes, tenant: str | None) -> Session:
@@ -580,6 +607,69 @@ class KVStoreService:
         check_keys(keys)
         return sum([await self._store.delete(key, namespace) for key in keys])
 
+    # -- operations ---------------------------------------------------------------------------
+
+    async def namespaces(self, *, caller: str | None = None) -> list[NamespaceInfo]:
+        """The namespaces holding blocks that ``caller`` may see, most bytes first."""
+        found: list[NamespaceInfo] = []
+        for namespace in self._store.namespaces():
+            entry = self._namespaces.get(namespace)
+            tenant = "" if entry is None else entry.tenant
+            if not _administers(caller, tenant):
+                continue
+            usage = await self._store.usage_of(namespace)
+            if usage.blocks:
+                found.append(
+                    NamespaceInfo(usage, tenant, "" if entry is None else entry.model_name)
+                )
+        found.sort(key=lambda info: (-info.usage.size, info.usage.namespace))
+        return found
+
+    async def evict(
+        self, *, namespace: bytes = b"", tenant: str = "", caller: str | None = None
+    ) -> tuple[int, int]:
+        """Deletes every block of ``namespace``, or of every namespace ``tenant`` registered,
+        from every tier; returns (namespaces, blocks).
+
+        Raises:
+            InvalidRequestError: not exactly one of the two is named.
+            InvalidBlockError: ``namespace`` is not 32 bytes.
+            PermissionDeniedError: it is another tenant's (or not registered, with a tenant's
+                token: the same answer, so a token learns nothing of others' namespaces).
+        """
+        if bool(namespace) == bool(tenant):
+            raise InvalidRequestError("evict names exactly one: a namespace or a tenant")
+        if namespace:
+            check_key("namespace", namespace)
+            entry = self._namespaces.get(namespace)
+            if not _administers(caller, "" if entry is None else entry.tenant):
+                raise PermissionDeniedError(
+                    f"namespace {namespace.hex()} is not one of tenant {caller!r}"
+                )
+            targets = [namespace]
+        else:
+            if not _administers(caller, tenant):
+                raise PermissionDeniedError(
+                    f"a token of tenant {caller!r} cannot evict tenant {tenant!r}"
+                )
+            targets = [ns for ns, entry in self._namespaces.items() if entry.tenant == tenant]
+        blocks = 0
+        for target in targets:
+            blocks += await self._store.evict_namespace(target)
+        log.info("evicted %d blocks of %s", blocks,
+                 f"namespace {namespace.hex()}" if namespace else f"tenant {tenant!r}")  # fmt: skip
+        return len(targets), blocks
+
+    async def flush(self, *, caller: str | None = None) -> int:
+        """Copies the blocks only the top tier holds to the tier below (as at shutdown).
+
+        Raises:
+            PermissionDeniedError: tokens are on and ``caller`` is not an operator.
+        """
+        if caller not in (None, OPERATOR):
+            raise PermissionDeniedError(f"flush needs an operator token (tenant {OPERATOR!r})")
+        return await self._store.flush()
+
     # -- hints and statistics ---------------------------------------------------------------
 
     async def prefetch(
@@ -640,6 +730,7 @@ class KVStoreService:
             lookup_hit_blocks=self._lookup_hit_blocks,
             prefetches_in_flight=len(self._prefetches),
             prefetches_dropped=self._dropped,
+            uptime_seconds=time.monotonic() - self._started,
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -666,3 +757,8 @@ class KVStoreService:
         task = asyncio.create_task(release(), name=f"release-abandoned-{next(self._task_ids)}")
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
+
+
+def _administers(caller: str | None, tenant: str) -> bool:
+    """Whether ``caller`` (None: tokens are off) may see and evict ``tenant``'s namespaces."""
+    return caller is None or caller == OPERATOR or (bool(tenant) and caller == tenant)

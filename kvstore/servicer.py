@@ -17,6 +17,7 @@ leased slots and ``Put`` copies each chunk into a slot reserved for its block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -26,7 +27,7 @@ from typing import TypeAlias, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore import chunks
+from kvstore import __version__, chunks
 from kvstore.blocks import BlockLayout
 from kvstore.checks import BlockSpec, check_spec
 from kvstore.chunks import GetChunk
@@ -339,38 +340,50 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             count = await self._service.delete(request.namespace, list(request.keys), tenant=tenant)
             return pb.DeleteResponse(num_blocks=count)
 
+    async def Namespaces(self, request: object, context: Context) -> pb.NamespacesResponse:
+        async with self._call(context) as tenant:
+            checked(request, pb.NamespacesRequest)
+            found = await self._service.namespaces(caller=tenant)
+            return pb.NamespacesResponse(
+                namespaces=[
+                    pb.NamespaceUsage(
+                        namespace=info.usage.namespace,
+                        tenant=info.tenant,
+                        model_name=info.model_name,
+                        blocks=info.usage.blocks,
+                        bytes=info.usage.size,
+                        tiers=[pb.TierUsage(name=n, blocks=b) for n, b in info.usage.tiers],
+                    )
+                    for info in found
+                ]
+            )
+
+    async def Evict(self, request: object, context: Context) -> pb.EvictResponse:
+        async with self._call(context) as tenant:
+            request = checked(request, pb.EvictRequest)
+            namespaces, blocks = await self._service.evict(
+                namespace=request.namespace, tenant=request.tenant, caller=tenant
+            )
+            return pb.EvictResponse(namespaces=namespaces, blocks=blocks)
+
+    async def Flush(self, request: object, context: Context) -> pb.FlushResponse:
+        async with self._call(context) as tenant:
+            checked(request, pb.FlushRequest)
+            return pb.FlushResponse(blocks=await self._service.flush(caller=tenant))
+
     async def Stats(self, request: object, context: Context) -> pb.StatsResponse:
         async with self._call(context):
             checked(request, pb.StatsRequest)
             stats = self._service.stats()
             store = stats.store
+            counters = {f.name: getattr(store, f.name) for f in dataclasses.fields(store)[1:]}
             return pb.StatsResponse(
-                tiers=[
-                    pb.TierStats(
-                        name=t.name,
-                        usage_bytes=t.usage_bytes,
-                        capacity_bytes=t.capacity_bytes,
-                        blocks=t.blocks,
-                        hits=t.hits,
-                        evictions=t.evictions,
-                        healthy=t.healthy,
-                    )
-                    for t in store.tiers
-                ],
-                blocks=store.blocks,
-                puts=store.puts,
-                dedup_puts=store.dedup_puts,
-                gets=store.gets,
-                misses=store.misses,
-                promotions=store.promotions,
-                demotions=store.demotions,
-                dropped_saves=store.dropped_saves,
-                corrupt_blocks=store.corrupt_blocks,
-                corrupt_writes=store.corrupt_writes,
-                active_leases=store.active_leases,
-                active_reservations=store.active_reservations,
+                tiers=[pb.TierStats(**dataclasses.asdict(tier)) for tier in store.tiers],
                 lookups=stats.lookups,
                 lookup_hit_blocks=stats.lookup_hit_blocks,
+                uptime_seconds=stats.uptime_seconds,
+                version=__version__,
+                **counters,
             )
 
 

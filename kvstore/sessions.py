@@ -49,7 +49,7 @@ from kvstore.shm_wire import (
     encode_refusal,
     encode_welcome,
 )
-from kvstore.sockets import prepare_socket_path
+from kvstore.sockets import prepare_socket_path, set_access
 from kvstore.store import BlockStore
 from kvstore.tiers.allocator import ArenaAllocator, Slot
 
@@ -136,6 +136,7 @@ class SessionServer:
     Args:
         path: The unix socket to listen on.
         socket_mode: Its permissions, e.g. ``0o600``.
+        socket_gid: Its group (``server.socket_group``); None: the daemon's.
         store: The block store (its host tier's arenas).
         tenant_of: The tenant of a bearer token (``None``: tokens are off); raises
             ``UnauthenticatedError`` for a bad token.
@@ -150,6 +151,7 @@ class SessionServer:
         path: Path,
         *,
         socket_mode: int,
+        socket_gid: int | None = None,
         store: BlockStore,
         tenant_of: Callable[[str], str | None],
         on_close: Callable[[Session], Awaitable[None]],
@@ -158,7 +160,7 @@ class SessionServer:
         max_sessions: int,
     ) -> None:
         self.path = path
-        self._mode = socket_mode
+        self._mode, self._gid = socket_mode, socket_gid
         self._store = store
         self._tenant_of = tenant_of
         self._on_close = on_close
@@ -175,11 +177,11 @@ class SessionServer:
 
     async def start(self) -> None:
         """Binds the socket (refusing a path a live daemon holds) and starts accepting."""
-        prepare_socket_path(self.path, self._mode)
+        prepare_socket_path(self.path, self._mode, self._gid)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(str(self.path))
-            os.chmod(self.path, self._mode)
+            set_access(self.path, self._mode, self._gid)
             sock.listen(128)
             sock.setblocking(False)
         except BaseException:
@@ -283,7 +285,7 @@ class SessionServer:
         wanted = min(hello.staging_bytes or self._max_staging, self._max_staging)
         session = Session(tenant, max(PAGE, -(-wanted // PAGE) * PAGE), peer)
         self._sessions[session.id] = session
-        log.info("shm session %s opened for tenant %r by %s", session.id.hex()[:8], tenant, peer)
+        log.debug("shm session %s opened for tenant %r by %s", session.id.hex()[:8], tenant, peer)
         return session
 
     def _info(self, session: Session) -> SessionInfo:
@@ -313,7 +315,7 @@ class SessionServer:
         except Exception:
             log.exception("cleaning up shm session %s failed", session.id.hex()[:8])
         session.close()
-        log.info("shm session %s closed", session.id.hex()[:8])
+        log.debug("shm session %s closed", session.id.hex()[:8])
 
 
 def _code(error: StoreError) -> str:

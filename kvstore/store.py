@@ -18,7 +18,9 @@ Primitives, in the order a request uses them:
 4. ``put(key, parent, meta, payload)`` -> :class:`PutStatus` (``DEDUP`` when the namespace
    holds the key: identical prefixes are stored once);
 5. ``delete(key, namespace)``, ``flush()`` (write-back blocks to the tier below, for shutdown),
-   ``stats()``, and ``maintain()`` (lease expiry, TTLs, watermarks; also run periodically).
+   ``stats()``, and ``maintain()`` (lease expiry, TTLs, watermarks; also run periodically);
+6. operations: ``namespaces()``, ``usage_of(namespace)`` -> :class:`NamespaceUsage`,
+   ``evict_namespace(namespace)`` (every block of it, from every tier).
 
 Every operation is scoped by a namespace: a block is indexed and stored under
 ``key || namespace``, so the same key in another namespace is another block (see
@@ -52,6 +54,7 @@ from kvstore.results import (
     Block,
     Lease,
     LookupResult,
+    NamespaceUsage,
     PutStatus,
     Reserved,
     StoreStats,
@@ -393,6 +396,42 @@ class BlockStore:
             await self._placement.settle(node)
         return len(nodes)
 
+    # -- operations ---------------------------------------------------------------------------
+
+    def namespaces(self) -> list[bytes]:
+        """The namespaces that hold blocks (registered since the start or found in a tier)."""
+        return self.index.namespaces()
+
+    async def usage_of(self, namespace: bytes) -> NamespaceUsage:
+        """How many committed blocks ``namespace`` has, their payload bytes, and how many of
+        them each tier holds a copy of (it yields to the loop every ``YIELD_EVERY`` nodes)."""
+        blocks = size = 0
+        per_tier: Counter[str] = Counter()
+        for seen, node in enumerate(self.index.in_namespace(namespace), 1):
+            if node.committed and not node.doomed:
+                blocks += 1
+                size += node.size
+                per_tier.update(node.tiers)
+            if seen % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        tiers = tuple((slot.name, per_tier[slot.name]) for slot in self._tiers)
+        return NamespaceUsage(namespace, blocks, size, tiers)
+
+    async def evict_namespace(self, namespace: bytes) -> int:
+        """Deletes every block of ``namespace`` from every tier; returns how many. Blocks
+        under a lease are hidden at once and freed when the lease ends."""
+        self._check_open()
+        nodes = [node for node in self.index.in_namespace(namespace) if node.committed]
+        for node in nodes:
+            node.doomed = True
+        for done, node in enumerate(nodes, 1):
+            await self._placement.settle(node)
+            if done % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        if nodes:
+            log.info("evicted namespace %s: %d blocks", namespace.hex()[:16], len(nodes))
+        return len(nodes)
+
     async def flush(self) -> int:
         """Copies blocks that live only in the top tier down where policy allows; a count.
 
@@ -537,10 +576,15 @@ class BlockStore:
             await self.relieve_pressure()
         return statuses
 
-    async def abort(self, key: bytes, namespace: bytes, *, owner: object = None) -> bool:
-        """Frees ``owner``'s reservation; False when it holds none."""
+    async def abort(
+        self, key: bytes, namespace: bytes, *, owner: object = None, abandoned: bool = False
+    ) -> bool:
+        """Frees ``owner``'s reservation; False when it holds none. ``abandoned``: its writer
+        went away (counted with the reservations whose TTL ran out)."""
         self._check_open()
-        return await self._require_arena().abort(key, namespace, owner)
+        freed = await self._require_arena().abort(key, namespace, owner)
+        self._counts["expired_reservations"] += freed and abandoned
+        return freed
 
     async def prefetch(self, keys: Sequence[bytes], namespace: bytes) -> int:
         """Moves the leading held blocks of ``keys`` up into the arena; returns how many are
@@ -580,9 +624,9 @@ class BlockStore:
     async def maintain(self, now: float | None = None) -> None:
         """Expires leases, applies tier TTLs and watermarks. Runs every second by itself."""
         now = time.monotonic() if now is None else now
-        await self._leases.expire(now)
+        self._counts["expired_leases"] += await self._leases.expire(now)
         if self._arena is not None:
-            await self._arena.expire(now)
+            self._counts["expired_reservations"] += await self._arena.expire(now)
         for slot in self._tiers:
             if slot.ttl > 0:
                 await self._placement.expire(slot, now - slot.ttl)
@@ -612,6 +656,8 @@ class BlockStore:
                 hits=self._counts[f"hits.{s.name}"],
                 evictions=self._counts[f"evictions.{s.name}"],
                 healthy=s.tier.healthy(),
+                read_bytes=self._counts[f"read_bytes.{s.name}"],
+                written_bytes=self._counts[f"written_bytes.{s.name}"],
             )
             for s in self._tiers
         )
@@ -630,6 +676,8 @@ class BlockStore:
             corrupt_writes=c["corrupt_writes"],
             active_leases=len(self._leases),
             active_reservations=0 if self._arena is None else len(self._arena),
+            expired_leases=c["expired_leases"],
+            expired_reservations=c["expired_reservations"],
         )
 
     async def _maintain_forever(self) -> None:

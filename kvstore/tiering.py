@@ -182,6 +182,7 @@ class Placement:
         finally:
             node.busy -= 1
         self.index.add_copy(node, slot.name)
+        self.counts[f"written_bytes.{slot.name}"] += len(blob)
         return True
 
     async def encode(self, slot: StoreTier, node: Node, payload: Buffer) -> Buffer:
@@ -476,14 +477,21 @@ class Placement:
         return False
 
     async def settle(self, node: Node) -> None:
-        """Frees a deleted block once nothing uses it; forgets a block with no copy left."""
+        """Frees a deleted block once nothing uses it; forgets a block with no copy left.
+
+        Each tier's delete may wait, and meanwhile the block may be put again (revived) or
+        read into a tier by a promotion: so every copy is taken only while the block is
+        still deleted and unused, and it is forgotten only if nothing uses it then (a node
+        forgotten under a promotion would leave the copy it lands as no one's to free).
+        """
+        while node.doomed and not (node.pinned or node.flights):
+            slot = next((s for s in self.tiers if s.name in node.tiers), None)
+            if slot is None:
+                break
+            self.lost_copy(slot, node)
+            await slot.tier.delete(node.id)
         if node.pinned or node.flights:
-            return
-        if node.doomed:
-            for slot in self.tiers:
-                if slot.name in node.tiers:
-                    self.lost_copy(slot, node)
-                    await slot.tier.delete(node.id)
+            return  # whoever uses it settles it when done
         if not node.tiers and node.committed and self.index.get(node.id) is node:
             self.index.discard(node.id)
 
@@ -494,6 +502,7 @@ class Placement:
         node.last_access = time.monotonic()
         self.policy.accessed(node.id)
         self.counts[f"hits.{slot.name}"] += 1
+        self.counts[f"read_bytes.{slot.name}"] += node.size
 
     def top_tier(self, node: Node) -> str:
         """The name of the highest tier holding ``node`` (it must be in one)."""
@@ -582,6 +591,9 @@ def tiers_from_config(
             ttl_s=rc.ttl or None,
             pool_size=rc.pool_size,
             timeout_s=rc.timeout,
+            tls_ca=rc.tls_ca,
+            tls_cert=rc.tls_cert,
+            tls_key=rc.tls_key,
         )
         policy = write_policy(rc.write_policy, rc.selective_hits)
         tiers.append(StoreTier(redis, CODECS[rc.compression], policy, 0.0, shared=True))

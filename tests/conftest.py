@@ -22,11 +22,8 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kvstore.inference_adapter.bench.redis_cluster import LocalCluster
+from tests.support.net import free_port
 
 
 class RedisServer:
@@ -78,6 +75,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A Redis Cluster of 3 primaries and 3 replicas, shared by the session."""
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from kvstore.client import (
     block_keys,
 )
 from kvstore.client.shm import Arena
+from tests.client.conftest import SMALL
 from tests.support.daemon import Daemon
 
 
@@ -350,5 +353,39 @@ def test_a_new_client_connects_at_once_after_the_daemon_came_back(tmp_path: Path
         daemon.start()
         with KVStoreClient(daemon.address, retries=0, timeout=5.0) as client:
             assert client.health()
+    finally:
+        daemon.close()
+
+
+@pytest.mark.parametrize("how", ["refused", "missing"])
+async def test_a_client_that_cannot_map_says_why_once_and_streams(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """The session socket refuses (as for a user without the rights to it) or is not in
+    this process's view: one WARNING naming the socket and the reason, then every call
+    streams the right bytes."""
+    daemon = Daemon(tmp_path, host_capacity="16MiB")
+    daemon.start()
+    try:
+        session_socket = Path(f"{daemon.socket_path}.shm")
+        namespace = Namespace(SMALL, "no-map")
+        async with AsyncKVStoreClient(daemon.address) as client:
+            await asyncio.to_thread(session_socket.unlink)
+            if how == "refused":  # a socket at that path that no one listens on
+                socket.socket(socket.AF_UNIX).bind(str(session_socket))
+            with caplog.at_level(logging.DEBUG, logger="kvstore.client"):
+                for turn in range(3):
+                    keys = block_keys(list(range(turn * 100, turn * 100 + 32)), namespace)
+                    blocks = [key * (SMALL.layout().payload_bytes // len(key)) for key in keys]
+                    await client.put(namespace, keys, blocks)
+                    assert await client.get(namespace, keys) == blocks
+                assert client.data_plane == ("stream" if how == "missing" else "shm")
+        said = [r for r in caplog.records if "cannot map the daemon's shared memory" in r.message]
+        warnings = [r for r in said if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, [r.message for r in said]
+        assert str(session_socket) in warnings[0].message
+        reason = "Connection refused" if how == "refused" else "no such file"
+        assert reason in warnings[0].message
+        assert len(said) >= 3  # tried again on later calls (a restart heals), quietly
     finally:
         daemon.close()

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
-import subprocess
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ from kvstore.client import (
 )
 from kvstore.client import connection as connection_module
 from tests.support.daemon import Daemon, running_daemon
+from tests.support.net import free_port, self_signed
 
 SMALL = ModelFingerprint("test-tiny", 2, 2, 16, "float16", block_tokens=16)  # 8 KiB blocks
 
@@ -286,25 +285,10 @@ async def test_tokens_authenticate_and_scope_tenants(tmp_path: Path) -> None:
         await unauthenticated.aclose()
 
 
-def make_certificate(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
-            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"),
-            *("-addext", "subjectAltName=DNS:localhost"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 async def test_tls_over_tcp_streams_with_a_token(tmp_path: Path) -> None:
-    cert, key = make_certificate(tmp_path)
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        address = f"localhost:{probe.getsockname()[1]}"
+    cert, key = self_signed(tmp_path)
+    address = f"localhost:{free_port()}"
     namespace = Namespace(SMALL, "tls")
     keys, blocks = chain(namespace, 2)
     settings = {"server": {"tls_cert": str(cert), "tls_key": str(key)}}

@@ -34,6 +34,8 @@ from kvstore.client import (
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from tests.support.daemon import Daemon, running_daemon
+from tests.support.net import free_port
+from tests.support.waiting import wait_for
 from tests.support.worker import BLOCK, NAMESPACE, SHARED_TOKENS, own_tokens, payload
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "worker.py"
@@ -45,13 +47,6 @@ def worker(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, text=True, env=env
     )
-
-
-def wait_for(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
 
 
 def test_two_planes_from_concurrent_processes_store_shared_blocks_once(tmp_path: Path) -> None:
@@ -92,7 +87,9 @@ def test_killed_client_leases_and_reservations_expire(tmp_path: Path) -> None:
             # After the lease lifetime the daemon takes everything back by itself.
             wait_for(lambda: client.stats().active_reservations == 0)
             wait_for(lambda: client.stats().active_leases == 0)
-            host = next(t for t in client.stats().tiers if t.name == "host")
+            stats = client.stats()
+            assert (stats.expired_leases, stats.expired_reservations) == (1, 2)  # counted
+            host = next(t for t in stats.tiers if t.name == "host")
             assert host.usage_bytes == 2 * BLOCK
             # The half-written reservation never became a block.
             assert client.get(NAMESPACE, keys[2:]) == []
@@ -192,19 +189,28 @@ def test_sighup_reloads_tokens_and_watermarks_and_leaves_the_daemon_serving(
         keys = block_keys(own_tokens("hup", 2), NAMESPACE)
         with KVStoreClient(daemon.address, token="old-token") as client:
             client.put(NAMESPACE, keys, [payload(k) for k in keys])
+        assert "opened for tenant" not in daemon.log(tail=1 << 20)  # a DEBUG line: not at info
         config = daemon.config_path.read_text()
         config = config.replace('"old-token:tests"', '"new-token:tests"')
         config = config.replace('capacity = "8MiB"', 'capacity = "16MiB"')  # needs a restart
+        config = config.replace(
+            'shutdown_grace = "2s"', 'shutdown_grace = "2s"\nlog_level = "debug"'
+        )
         daemon.config_path.write_text(config + "[eviction]\nhigh_watermark = 0.9\n")
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: "SIGHUP: applied" in daemon.log())
+        wait_for(lambda: "SIGHUP: applied" in daemon.log(tail=1 << 20))
         assert daemon.running and daemon._serving()
-        log = daemon.log()
-        assert "SIGHUP: applied auth.tokens (1), eviction watermarks 0.85-0.9" in log
+        log = daemon.log(tail=1 << 20)
+        assert (
+            "SIGHUP: applied auth.tokens (1), eviction watermarks 0.85-0.9, server.log_level debug"
+            in log
+        )
         assert "these need a restart: host.capacity" in log
+        assert "opened for tenant" not in log
         with KVStoreClient(daemon.address, token="new-token") as client:
             assert [bytes(b) for b in client.get(NAMESPACE, keys)] == [payload(k) for k in keys]
+        assert "DEBUG kvstore.sessions: shm session" in daemon.log(tail=1 << 20)  # now at debug
         with (
             pytest.raises(UnauthenticatedError),
             KVStoreClient(daemon.address, token="old-token") as client,
@@ -213,7 +219,7 @@ def test_sighup_reloads_tokens_and_watermarks_and_leaves_the_daemon_serving(
         # A config that no longer parses is refused; the daemon runs on as it was.
         daemon.config_path.write_text("[host]\ncapacity = -1\n")
         daemon.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: "the config was not reloaded" in daemon.log())
+        wait_for(lambda: "the config was not reloaded" in daemon.log(tail=1 << 20))
         with KVStoreClient(daemon.address, token="new-token") as client:
             assert client.lookup(NAMESPACE, keys) == len(keys)
         assert daemon.stop() == 0
@@ -246,14 +252,6 @@ def test_sigterm_during_start_up_closes_what_it_opened(tmp_path: Path) -> None:
         daemon.close()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def scrape(port: int) -> dict[str, float]:
     """``/metrics`` as ``{'name{labels}': value}``."""
     import urllib.request
@@ -284,6 +282,11 @@ def test_a_scrape_after_a_chat_shows_the_gets_and_hits_kvstore_stats_shows(
                 assert [bytes(b) for b in got] == [payload(k) for k in keys[:held]]
                 shm.put(NAMESPACE, keys[held:], [payload(k) for k in keys[held:]])
                 tokens += own_tokens(f"turn {turn}", 2)[-32:]
+        with (
+            grpc.insecure_channel(daemon.address) as channel,
+            pytest.raises(grpc.RpcError) as failed,
+        ):
+            kvstore_pb2_grpc.KVStoreStub(channel).Release(pb.ReleaseRequest(lease_id=987654))
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         printed = subprocess.run(
             [sys.executable, "-m", "kvstore", "stats", "--address", daemon.address, "--json"],
@@ -301,6 +304,22 @@ def test_a_scrape_after_a_chat_shows_the_gets_and_hits_kvstore_stats_shows(
     assert hits + int(stats.get("misses", 0)) == int(stats["gets"])  # each read counted once
     assert metrics["kvstore_lookups_total"] == 4 and metrics["kvstore_leases_active"] == 0
     assert metrics['kvstore_build_info{version="0.1.0"}'] == 1
+    # Bytes per tier: every block put was written into the host tier once, and reads that
+    # hit served their payloads.
+    host = next(tier for tier in stats["tiers"] if tier["name"] == "host")
+    assert host["written_bytes"] == stats["puts"] * BLOCK
+    assert host["read_bytes"] == host["hits"] * BLOCK > 0
+    for tier in stats["tiers"]:
+        for field in ("read_bytes", "written_bytes"):
+            name = f'kvstore_tier_{field}_total{{tier="{tier["name"]}"}}'
+            assert metrics[name] == tier[field]
+    # Per-method calls and latencies: the 4 lookups, and the failed Release by its code.
+    assert metrics['kvstore_rpcs_total{code="OK",method="Lookup"}'] == 4
+    assert metrics['kvstore_rpc_duration_seconds_count{method="Lookup"}'] == 4
+    assert metrics['kvstore_rpc_duration_seconds_bucket{le="10.0",method="Lookup"}'] == 4
+    code = failed.value.code().name
+    assert metrics[f'kvstore_rpcs_total{{code="{code}",method="Release"}}'] == 1
+    assert stats["version"] == "0.1.0" and 0 < stats["uptime_seconds"] < 600
 
 
 def arena_fds(pid: int) -> list[str]:

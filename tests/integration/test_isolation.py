@@ -121,3 +121,105 @@ def test_another_tenant_can_neither_read_nor_write_nor_probe_alices_kv(tmp_path:
             got = alice.get(ALICE, keys)
             assert [bytes(b) for b in got] == [alice_payload(k) for k in keys]
             assert alice.lookup(ALICE, keys) == len(keys)
+
+
+OTHER_MODEL = ModelFingerprint("isolation-2", 2, 2, 64, "float16", block_tokens=16)
+OPS_TOKENS = [*TOKENS, "ops-secret:*"]
+
+
+def kvstore_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
+                          text=True, env=env, timeout=60)  # fmt: skip
+
+
+def test_operations_reach_only_the_callers_tenant_and_operators_reach_all(
+    tmp_path: Path,
+) -> None:
+    """``kvstore namespaces/evict/flush`` as bob against alice's namespaces: he sees none,
+    evicts none (not even by a digest prefix he guessed from his own listing), cannot flush;
+    alice evicts hers by a prefix; an operator token sees and evicts every tenant's."""
+    alice_other, bob_ns = Namespace(OTHER_MODEL, "alice"), Namespace(MODEL, "bob")
+    size = MODEL.layout().payload_bytes
+    settings = {"ssd": {"write_policy": "write_back"}}
+    with running_daemon(tmp_path, tokens=OPS_TOKENS, settings=settings) as daemon:
+        chains = {}
+        puts = [("alice-secret", ALICE, 3), ("alice-secret", alice_other, 2),
+                ("bob-secret", bob_ns, 4)]  # fmt: skip
+        for token, namespace, count in puts:
+            keys = block_keys(list(range(count * 16)), namespace)
+            with KVStoreClient(daemon.address, token=token) as client:
+                client.put(namespace, keys, [alice_payload(k) for k in keys])
+            chains[namespace.digest()] = keys
+
+        def listed(token: str) -> dict[str, dict[str, object]]:
+            done = kvstore_cli("namespaces", "--address", daemon.address, "--token", token,
+                               "--json")  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            return {entry["namespace"]: entry for entry in json.loads(done.stdout)}
+
+        mine = listed("alice-secret")
+        assert set(mine) == {ALICE.digest().hex(), alice_other.digest().hex()}
+        entry = mine[ALICE.digest().hex()]
+        assert (entry["tenant"], entry["model_name"], entry["blocks"]) == ("alice", "isolation", 3)
+        assert entry["bytes"] == 3 * size and entry["tiers"][0] == {"name": "host", "blocks": 3}
+        assert set(listed("bob-secret")) == {bob_ns.digest().hex()}
+        assert len(listed("ops-secret")) == 3
+        table = kvstore_cli("namespaces", "--address", daemon.address, "--token", "ops-secret")
+        rows = [line.split() for line in table.stdout.splitlines()[1:]]
+        assert (
+            [row[0] for row in rows]
+            == [  # most bytes first, digests cut to 16 digits
+                bob_ns.digest().hex()[:16],
+                ALICE.digest().hex()[:16],
+                alice_other.digest().hex()[:16],
+            ]
+        )
+        assert rows[0][1:5] == ["bob", "isolation", "4", "64.0"]
+        anonymous = kvstore_cli("namespaces", "--address", daemon.address)
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
+
+        def evict(token: str, *which: str) -> subprocess.CompletedProcess[str]:
+            return kvstore_cli("evict", "--address", daemon.address, "--token", token, *which)
+
+        # Bob, as the attacker: alice's full digest, her tenant, a prefix of hers, a flush.
+        full = evict("bob-secret", "--namespace", ALICE.digest().hex())
+        assert full.returncode == 1 and "PERMISSION_DENIED" in full.stderr
+        tenant = evict("bob-secret", "--tenant", "alice")
+        assert tenant.returncode == 1 and "PERMISSION_DENIED" in tenant.stderr
+        prefix = evict("bob-secret", "--namespace", alice_other.digest().hex()[:8])
+        assert prefix.returncode == 2 and "0 namespaces start with it" in prefix.stderr
+        flush = kvstore_cli("flush", "--address", daemon.address, "--token", "bob-secret")
+        assert flush.returncode == 1 and "PERMISSION_DENIED" in flush.stderr
+        garbage = evict("bob-secret", "--namespace", "not-hex!")
+        assert garbage.returncode == 2 and "expected 8 to 64 hex digits" in garbage.stderr
+        with KVStoreClient(daemon.address, token="alice-secret") as alice:
+            for namespace in (ALICE, alice_other):
+                keys = chains[namespace.digest()]
+                assert alice.get(namespace, keys) == [alice_payload(k) for k in keys]
+
+        # Alice evicts one of hers by a prefix; the other and bob's stay.
+        done = evict("alice-secret", "--namespace", ALICE.digest().hex()[:10])
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("evicted 3 blocks (1 namespaces)")
+        with KVStoreClient(daemon.address, token="alice-secret") as alice:
+            assert alice.lookup(ALICE, chains[ALICE.digest()]) == 0
+            keys = chains[alice_other.digest()]
+            assert alice.get(alice_other, keys) == [alice_payload(k) for k in keys]
+
+        # The operator flushes (write-back: the blocks only the host tier held) and evicts bob.
+        flushed = kvstore_cli("flush", "--address", daemon.address, "--token", "ops-secret")
+        assert flushed.returncode == 0 and flushed.stdout == "flushed 6 blocks to the tier below\n"
+        with KVStoreClient(daemon.address, token="bob-secret") as bob:
+            assert set(bob.lookup_tiers(bob_ns, chains[bob_ns.digest()]).tiers) == {"host"}
+        ops = listed("ops-secret")
+        assert ops[bob_ns.digest().hex()]["tiers"][1] == {"name": "ssd", "blocks": 4}
+        gone = evict("ops-secret", "--tenant", "bob")
+        assert gone.returncode == 0 and gone.stdout.startswith("evicted 4 blocks (1 namespaces)")
+        with KVStoreClient(daemon.address, token="bob-secret") as bob:
+            assert bob.get(bob_ns, chains[bob_ns.digest()]) == []
+        assert set(listed("ops-secret")) == {alice_other.digest().hex()}
+        # The SSD copies went too: nothing of bob's is left in any tier after a restart.
+        daemon.restart()
+        with KVStoreClient(daemon.address, token="bob-secret") as bob:
+            assert bob.lookup(bob_ns, chains[bob_ns.digest()]) == 0

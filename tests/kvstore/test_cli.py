@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import pytest
 
 from kvstore.blocks import ROOT_KEY
 from kvstore.cli import format_stats, main, serve_config
+from kvstore.client import KVStoreClient
 from kvstore.client.keys import block_keys
 from kvstore.config import Config, HostConfig, SsdConfig
 from kvstore.defaults import auto_host_capacity, host_capacity, host_default, meminfo_bytes
@@ -24,6 +28,8 @@ from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.store import BlockStore
+from tests.support.daemon import Daemon, running_daemon
+from tests.support.net import free_port, self_signed
 
 GiB, MiB = 2**30, 2**20
 
@@ -122,12 +128,14 @@ def test_format_stats() -> None:
             pb.TierStats(name="redis", capacity_bytes=GiB, healthy=False),
         ],
         gets=8, misses=2, active_leases=3, active_reservations=1, lookups=4,
+        expired_leases=5, expired_reservations=6, version="9.9", uptime_seconds=90061.5,
     )  # fmt: skip
     report = format_stats(stats)
     assert "3.0 MiB / 4.0 MiB  75%" in report
     assert "DOWN" in report.splitlines()[2]
     assert "hit rate 75.0%" in report
-    assert "3 leases, 1 reservations" in report
+    assert "3 leases, 1 reservations; expired: 5 leases, 6 reservations" in report
+    assert report.splitlines()[-1] == "kvstore 9.9, up 1d 1h 1m 1s"
 
 
 # -- a real daemon process ------------------------------------------------------------------
@@ -221,8 +229,9 @@ def test_chat_command_is_delegated_lazily(capsys: pytest.CaptureFixture[str]) ->
     assert "--address" in capsys.readouterr().out
 
 
-COMMANDS = [[], ["serve"], ["stats"], ["chat"], ["bench"], ["bench", "chat"], ["bench", "vllm"],
-            ["bench", "truncation"], ["dataset"], ["dataset", "fetch"], ["model"]]  # fmt: skip
+COMMANDS = [[], ["serve"], ["stats"], ["health"], ["namespaces"], ["evict"], ["flush"],
+            ["chat"], ["bench"], ["bench", "chat"], ["bench", "vllm"], ["bench", "truncation"],
+            ["dataset"], ["dataset", "fetch"], ["model"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda words: " ".join(words) or "kvstore")
@@ -273,3 +282,178 @@ def test_stats_json_has_every_field_with_its_own_type() -> None:
     assert set(fields) == {f.name for f in pb.StatsResponse.DESCRIPTOR.fields}
     (tier,) = fields["tiers"]  # type: ignore[misc]
     assert tier["usage_bytes"] == 2**40 and tier["hits"] == 0 and tier["healthy"] is True
+
+
+def serve_with(tmp_path: Path, toml: str) -> subprocess.CompletedProcess[str]:
+    """``kvstore serve`` on a config that cannot start (it must exit on its own)."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text(toml)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """The command's last stderr line, after checking it is the only non-log line."""
+    lines = [line for line in proc.stderr.splitlines() if " INFO " not in line]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_run_time_failures_are_one_line_with_a_documented_status(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    listen = f'[server]\nlisten = ["unix:{sock_dir / "s.sock"}"]\n'
+    too_big = serve_with(
+        tmp_path, '[host]\ncapacity = "1000TiB"\n[ssd]\nenabled = false\n' + listen
+    )
+    assert too_big.returncode == 2
+    assert "host.capacity 1000.0 TiB is more than the memory" in one_line_error(too_big)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    bad_dir = serve_with(
+        tmp_path, f'[host]\ncapacity = "8MiB"\n[ssd]\ndirectory = "{blocked / "blocks"}"\n' + listen
+    )
+    assert bad_dir.returncode == 1
+    assert str(blocked) in one_line_error(bad_dir)
+    bad_url = serve_with(
+        tmp_path,
+        '[host]\ncapacity = "8MiB"\n[ssd]\nenabled = false\n'
+        '[redis]\nenabled = true\nurl = "redis://admin:hunter2@localhost:sixthree/0"\n' + listen,
+    )
+    assert bad_url.returncode == 2
+    line = one_line_error(bad_url)
+    assert "redis.url" in line and "port must be a number" in line
+    assert "hunter2" not in bad_url.stderr and "admin" not in bad_url.stderr
+    for redis, expected in [
+        ('url = "redis://localhost/0"\ntls_ca = "/etc/hostname"',
+         "redis.tls_ca is set but the url does not use TLS"),
+        (f'url = "rediss://localhost/0"\ntls_ca = "{tmp_path / "no-ca.pem"}"',
+         f"redis.tls_ca '{tmp_path / 'no-ca.pem'}': no such file"),
+        ('url = "rediss://localhost/0"\ntls_cert = "/etc/hostname"',
+         "redis.tls_cert and tls_key go together"),
+    ]:  # fmt: skip
+        bad_tls = serve_with(
+            tmp_path,
+            '[host]\ncapacity = "8MiB"\n[ssd]\nenabled = false\n'
+            f"[redis]\nenabled = true\n{redis}\n" + listen,
+        )
+        assert bad_tls.returncode == 2 and expected in one_line_error(bad_tls)
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        busy = serve_with(
+            tmp_path,
+            '[host]\ncapacity = "8MiB"\n[ssd]\nenabled = false\n'
+            f'[server]\nlisten = ["unix:{sock_dir / "b.sock"}", "127.0.0.1:{port}"]\n',
+        )
+    assert busy.returncode == 1
+    assert one_line_error(busy) == (
+        f"kvstore serve: server.listen 127.0.0.1:{port}: Address already in use"
+    )
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_stats_and_health_over_tls_with_a_token(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    daemon = Daemon(tmp_path / "daemon", tokens=["s3cret:tenant-a"], tcp=[f"127.0.0.1:{port}"],
+                    settings={"server": {"tls_cert": str(cert), "tls_key": str(key)}})  # fmt: skip
+    daemon.start()
+    try:
+        tls = ("--address", f"localhost:{port}", "--tls-ca", str(cert))
+        health = run_cli("health", *tls)
+        assert health.returncode == 0 and health.stdout == f"localhost:{port}: SERVING\n"
+        by_ip = run_cli("health", "--address", f"127.0.0.1:{port}", "--tls-ca", str(cert),
+                        "--tls-server-name", "localhost")  # fmt: skip
+        assert by_ip.returncode == 0, by_ip.stderr
+        stats = run_cli("stats", *tls, "--token", "s3cret", "--json")
+        assert stats.returncode == 0 and json.loads(stats.stdout)["tiers"][0]["name"] == "host"
+        no_token = run_cli("stats", *tls)
+        assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
+        wrong = run_cli("stats", *tls, "--token", "guess")
+        assert wrong.returncode == 1 and "guess" not in wrong.stderr
+        plain = run_cli("health", "--address", f"localhost:{port}", "--timeout", "2")
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+        garbage = tmp_path / "garbage.pem"
+        garbage.write_bytes(os.urandom(64))
+        not_pem = run_cli("health", "--address", f"localhost:{port}", "--tls-ca", str(garbage))
+        assert not_pem.returncode == 2 and "no PEM certificate" in one_line_error(not_pem)
+        unix = run_cli("health", "--address", daemon.address)
+        assert unix.returncode == 0  # health stays open to probes without a token
+    finally:
+        daemon.close()
+    gone = run_cli("health", "--address", daemon.address, "--timeout", "1")
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
+
+
+def test_health_names_a_tier_that_is_down_and_stays_serving(tmp_path: Path) -> None:
+    """A Redis tier whose server does not answer: the daemon serves (``""`` SERVING, exit
+    0), ``kvstore.tiers`` and ``kvstore.tier.redis`` are NOT_SERVING, the others SERVING;
+    ``kvstore health`` says degraded and names the tier."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    settings = {"redis": {"enabled": True, "url": f"redis://127.0.0.1:{free_port()}/0",
+                          "timeout": "200ms"}}  # fmt: skip
+    with running_daemon(tmp_path, ssd_capacity=None, settings=settings) as daemon:
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def status(service: str) -> str:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+            names = ["", "kvstore.v1.KVStore", "kvstore.tiers", "kvstore.tier.host",
+                     "kvstore.tier.redis"]  # fmt: skip
+            assert [status(name) for name in names] == [
+                "SERVING", "SERVING", "NOT_SERVING", "SERVING", "NOT_SERVING",
+            ]  # fmt: skip
+            with pytest.raises(grpc.RpcError) as off:
+                status("kvstore.tier.ssd")  # no SSD tier here
+            assert off.value.code() == grpc.StatusCode.NOT_FOUND
+        health = run_cli("health", "--address", daemon.address)
+        assert (health.returncode, health.stdout) == (
+            0, f"{daemon.address}: SERVING, degraded: redis tier down (hits come from the others)\n"
+        )  # fmt: skip
+
+
+def test_stats_watch_prints_rates_of_what_happens_meanwhile(tmp_path: Path) -> None:
+    namespace = Namespace(MODEL, "")
+    size = MODEL.layout().payload_bytes
+    with running_daemon(tmp_path, host_capacity="64MiB") as daemon:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "stats", "--address", daemon.address,
+             "--watch", "0.5", "--count", "4"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        with KVStoreClient(daemon.address) as client:
+            for turn in range(6):
+                keys = block_keys(list(range(turn * 1000, turn * 1000 + 16 * 8)), namespace)
+                blocks = [bytes([turn, i]) * (size // 2) for i in range(len(keys))]
+                client.put(namespace, keys, blocks)
+                assert client.get(namespace, keys) == blocks
+                time.sleep(0.2)
+        out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["blocks", "host", "used", "ssd", "used", "gets/s", "hit",
+                                "puts/s", "evict/s", "leases"]  # fmt: skip
+    rows = [line.split() for line in lines[1:]]
+    assert len(rows) == 4
+    assert int(rows[-1][0]) == 48  # 6 turns of 8 blocks, all held
+    assert sum(float(row[7]) for row in rows) > 0  # puts/s in some interval
+    assert any(row[6] == "100.0%" for row in rows)  # gets of what was just put: all hits
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "soon"])
+def test_watch_and_timeout_take_positive_seconds(
+    seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["stats", "--watch", seconds])
+    assert exited.value.code == 2
+    assert f"expected seconds > 0, got {seconds!r}" in capsys.readouterr().err

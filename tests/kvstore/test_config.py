@@ -45,14 +45,25 @@ def test_embedded_defaults_are_valid() -> None:
     [
         ("8GiB", 8 * 2**30),
         ("512MiB", 512 * 2**20),
-        ("1.5GB", 1_500_000_000),
+        ("1.5TiB", 3 * 2**39),
         ("4096", 4096),
+        ("64 KiB", 65536),
+        ("4096b", 4096),
         (123, 123),
-        ("64k", 65536),
     ],
 )
 def test_sizes(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "suggested"), [("1GB", "1GiB"), ("1gb", "1GiB"), ("1g", "1GiB"), ("64k", "64KiB"),
+                            ("2.5 TB", "2.5TiB"), ("8mb", "8MiB")]
+)  # fmt: skip
+def test_ambiguous_sizes_are_refused_with_the_binary_spelling(text: str, suggested: str) -> None:
+    """SI and redis.conf disagree on these (redis: 1g = 10^9, 1gb = 2^30): never guessed."""
+    with pytest.raises(ConfigError, match=rf"host\.capacity: '{text}' is ambiguous.*{suggested}"):
+        load_config(overrides={"host": {"capacity": text}})
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import grp
+import json
 import os
 import shutil
 import socket
@@ -16,15 +18,27 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore import server as server_module
 from kvstore.blocks import ROOT_KEY, payload_checksum
 from kvstore.client.keys import block_keys
 from kvstore.client.shm import ShmSession
-from kvstore.config import AuthConfig, Config, HostConfig, ServerConfig, SsdConfig
+from kvstore.config import (
+    AuthConfig,
+    Config,
+    ConfigError,
+    HostConfig,
+    RedisConfig,
+    ServerConfig,
+    SsdConfig,
+    load_config,
+    socket_gid,
+)
 from kvstore.index import BlockMeta
 from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
@@ -33,6 +47,8 @@ from kvstore.server import RunningServer, create_server
 from kvstore.shm_wire import Hello
 from kvstore.store import BlockStore
 from kvstore.tiers import collector
+from tests.support.net import self_signed
+from tests.support.workers import start_every_worker
 
 MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
                          dtype="float16", block_tokens=16)  # fmt: skip
@@ -289,6 +305,7 @@ async def test_blocks_put_and_read_over_grpc_add_nothing_to_full_collections(kv:
     ns = await register(stub)
     chains = [blocks_of("", 20, salt) for salt in range(100)]
     await stub.Put(put_chunks(ns, chains[0]))
+    await start_every_worker()
     before = collector.tracked_entries()
     for blocks in chains[1:]:
         reply = await stub.Put(put_chunks(ns, blocks))
@@ -455,37 +472,103 @@ async def test_socket_mode_and_bound_addresses(tmp_path: Path, short_dir: Path, 
 
 
 CONNECT_AS = """
-import os, socket, sys
+import json, os, socket, sys
+from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, block_keys
 path, group = sys.argv[1], int(sys.argv[2])
-os.setgroups([group] if group >= 0 else [])
-os.setgid(65534)
+os.setgroups([group] if group >= 0 else [])  # a supplementary group, or none
+os.setgid(65533)  # a primary group that is not the socket's
 os.setuid(65534)
 try:
     socket.socket(socket.AF_UNIX).connect(path)
-    print("connected")
 except OSError as error:
-    print("refused", error.errno)
+    print(json.dumps({"refused": error.errno}))
+    sys.exit(0)
+ns = Namespace(ModelFingerprint("group-model", 2, 2, 64, "float16", block_tokens=16), "t")
+keys = block_keys(list(range(64)), ns)
+blocks = [key * (ns.model.layout().payload_bytes // len(key)) for key in keys]
+with KVStoreClient("unix:" + path) as client:
+    client.put(ns, keys, blocks)
+    same = client.get(ns, keys) == blocks
+    print(json.dumps({"data_plane": client.data_plane, "same": same}))
 """
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 async def test_a_group_socket_is_reachable_by_the_group_only(tmp_path: Path) -> None:
+    """``socket_mode = "0660"`` with ``socket_group``: a user of that group connects and maps
+    the arena (no fall-back to streaming); a user outside it is refused by the kernel."""
     top = Path(tempfile.mkdtemp(prefix="kv-"))  # under /tmp: every directory above is passable
     os.chmod(top, 0o711)
-    async with daemon(make_config(tmp_path, top, mode="0660")) as kv:
+    config = make_config(tmp_path, top, mode="0660")
+    nogroup = grp.getgrnam("nogroup").gr_gid
+    config = dataclasses.replace(
+        config, server=dataclasses.replace(config.server, socket_group="nogroup")
+    )
+    async with daemon(config) as kv:
         path = Path(kv.running.addresses[0].removeprefix("unix:"))
-        assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o750  # was 0700: no one passed
-        group = os.stat(path).st_gid
+        made = os.stat(path.parent)
+        assert stat.S_IMODE(made.st_mode) == 0o750  # was 0700: no one passed
+        assert made.st_gid == nogroup  # the directory the daemon made is the group's
+        for socket_path in (path, Path(f"{path}.shm")):
+            assert os.stat(socket_path).st_gid == nogroup
+            assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o660
 
-        def connect(as_group: int) -> str:
-            done = subprocess.run([sys.executable, "-c", CONNECT_AS, str(path), str(as_group)],
-                                  capture_output=True, text=True, timeout=60)  # fmt: skip
-            assert done.returncode == 0, done.stderr
-            return done.stdout.strip()
+        async def connect(as_group: int) -> dict[str, object]:
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", CONNECT_AS, str(path), str(as_group),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(child.communicate(), 60)
+            assert child.returncode == 0, err.decode()
+            return dict(json.loads(out))
 
-        assert connect(group) == "connected"  # another user in the socket's group
-        assert connect(-1) == f"refused {errno.EACCES}"  # another user outside it
+        member = await connect(nogroup)  # another user, in the socket's group
+        assert member == {"data_plane": "shm", "same": True}
+        assert await connect(-1) == {"refused": errno.EACCES}  # another user outside it
     shutil.rmtree(top, ignore_errors=True)
+
+
+def test_an_unknown_socket_group_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"server\.socket_group: no group named 'no-such-grp'"):
+        load_config(overrides={"server": {"socket_group": "no-such-grp"}})
+    numeric = load_config(overrides={"server": {"socket_group": "65534"}})
+    assert socket_gid(numeric.server) == 65534
+
+
+async def test_a_health_check_right_after_a_tier_failed_says_so(
+    tmp_path: Path,
+    short_dir: Path,
+    redis_url: str,
+    redis_server: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Redis dies under a serving daemon and the next put's write-through fails: the very
+    next ``Check`` says ``kvstore.tiers`` and ``kvstore.tier.redis`` NOT_SERVING (``""``
+    stays SERVING), with the poll for ``Watch`` streams pushed out of reach; once Redis is
+    back and a put reaches it, ``Check`` says SERVING again."""
+    monkeypatch.setattr(server_module, "HEALTH_POLL_S", 3600.0)
+    redis = RedisConfig(enabled=True, url=redis_url, write_policy="write_through",
+                        capacity=64 << 20)  # fmt: skip
+    config = dataclasses.replace(make_config(tmp_path, short_dir), redis=redis)
+    async with daemon(config) as kv:
+        stub = kv.stub(kv.running.addresses[1])
+        health = health_pb2_grpc.HealthStub(kv.channels[-1])
+
+        async def statuses() -> list[str]:
+            names = ["", "kvstore.tiers", "kvstore.tier.host", "kvstore.tier.redis"]
+            replies = [await health.Check(health_pb2.HealthCheckRequest(service=n)) for n in names]
+            return [health_pb2.HealthCheckResponse.ServingStatus.Name(r.status) for r in replies]
+
+        ns = await register(stub)
+        await stub.Put(put_chunks(ns, blocks_of("", 2, salt=1)))
+        assert await statuses() == ["SERVING"] * 4
+        redis_server.stop()
+        await stub.Put(put_chunks(ns, blocks_of("", 2, salt=2)))
+        assert await statuses() == ["SERVING", "NOT_SERVING", "SERVING", "NOT_SERVING"]
+        redis_server.start()
+        await asyncio.sleep(1.2)  # the tier's retry interval (1 s): the next call tries Redis
+        await stub.Put(put_chunks(ns, blocks_of("", 2, salt=3)))
+        assert await statuses() == ["SERVING"] * 4
 
 
 async def test_stop_turns_health_off_and_flushes_write_back_blocks(
@@ -531,18 +614,6 @@ async def test_stop_lets_calls_in_flight_finish(kv: Daemon, monkeypatch) -> None
     assert (await call).num_blocks == 1
     error = await rpc_error(stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys(blocks))))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
-
-
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, made by the openssl command."""
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

@@ -27,5 +27,6 @@ def test_service_has_the_control_plane() -> None:
     assert methods == {
         "Handshake", "RegisterNamespace", "Lookup", "Acquire", "Release", "Reserve",
         "Commit", "Abort", "Get", "Put", "Prefetch", "Delete", "Stats",
+        "Namespaces", "Evict", "Flush",
     }  # fmt: skip
     assert hasattr(kvstore_pb2_grpc, "KVStoreStub")

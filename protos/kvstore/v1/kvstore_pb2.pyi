@@ -315,7 +315,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "usage_bytes", "capacity_bytes", "blocks", "hits", "evictions", "healthy")
+    __slots__ = ("name", "usage_bytes", "capacity_bytes", "blocks", "hits", "evictions", "healthy", "read_bytes", "written_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     USAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,8 @@ class TierStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     usage_bytes: int
     capacity_bytes: int
@@ -330,10 +332,12 @@ class TierStats(_message.Message):
     hits: int
     evictions: int
     healthy: bool
-    def __init__(self, name: _Optional[str] = ..., usage_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    read_bytes: int
+    written_bytes: int
+    def __init__(self, name: _Optional[str] = ..., usage_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., healthy: _Optional[bool] = ..., read_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "blocks", "puts", "dedup_puts", "gets", "misses", "promotions", "demotions", "dropped_saves", "corrupt_blocks", "active_leases", "active_reservations", "lookups", "lookup_hit_blocks", "corrupt_writes")
+    __slots__ = ("tiers", "blocks", "puts", "dedup_puts", "gets", "misses", "promotions", "demotions", "dropped_saves", "corrupt_blocks", "active_leases", "active_reservations", "lookups", "lookup_hit_blocks", "corrupt_writes", "expired_leases", "expired_reservations", "uptime_seconds", "version")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PUTS_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +353,10 @@ class StatsResponse(_message.Message):
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_WRITES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     blocks: int
     puts: int
@@ -364,4 +372,68 @@ class StatsResponse(_message.Message):
     lookups: int
     lookup_hit_blocks: int
     corrupt_writes: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., puts: _Optional[int] = ..., dedup_puts: _Optional[int] = ..., gets: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_saves: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., corrupt_writes: _Optional[int] = ...) -> None: ...
+    expired_leases: int
+    expired_reservations: int
+    uptime_seconds: float
+    version: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., puts: _Optional[int] = ..., dedup_puts: _Optional[int] = ..., gets: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_saves: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., corrupt_writes: _Optional[int] = ..., expired_leases: _Optional[int] = ..., expired_reservations: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+
+class NamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierUsage(_message.Message):
+    __slots__ = ("name", "blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    blocks: int
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class NamespaceUsage(_message.Message):
+    __slots__ = ("namespace", "tenant", "model_name", "blocks", "bytes", "tiers")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    tenant: str
+    model_name: str
+    blocks: int
+    bytes: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierUsage]
+    def __init__(self, namespace: _Optional[bytes] = ..., tenant: _Optional[str] = ..., model_name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ...) -> None: ...
+
+class NamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceUsage]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("namespace", "tenant")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    tenant: str
+    def __init__(self, namespace: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("namespaces", "blocks")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespaces: int
+    blocks: int
+    def __init__(self, namespaces: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...

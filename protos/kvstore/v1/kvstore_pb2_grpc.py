@@ -99,6 +99,21 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Namespaces = channel.unary_unary(
+                '/kvstore.v1.KVStore/Namespaces',
+                request_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.NamespacesRequest.SerializeToString,
+                response_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.NamespacesResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/kvstore.v1.KVStore/Evict',
+                request_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.EvictRequest.SerializeToString,
+                response_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/kvstore.v1.KVStore/Flush',
+                request_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.FlushRequest.SerializeToString,
+                response_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.FlushResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -190,6 +205,27 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Namespaces(self, request, context):
+        """Operations (the `kvstore namespaces/evict/flush` commands). With tokens on, a tenant's
+        token sees and evicts its own tenant's namespaces only; an operator token (tenant "*")
+        those of every tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Flush(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +293,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Namespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.Namespaces,
+                    request_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.NamespacesRequest.FromString,
+                    response_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.NamespacesResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.EvictRequest.FromString,
+                    response_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.EvictResponse.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.FlushRequest.FromString,
+                    response_serializer=kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.FlushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -610,6 +661,87 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Namespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Namespaces',
+            kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.NamespacesRequest.SerializeToString,
+            kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.NamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Evict',
+            kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.EvictRequest.SerializeToString,
+            kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Flush',
+            kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.FlushRequest.SerializeToString,
+            kvstore_dot_protos_dot_kvstore_dot_v1_dot_kvstore__pb2.FlushResponse.FromString,
             options,
             channel_credentials,
             insecure,

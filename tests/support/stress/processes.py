@@ -20,14 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.client import KVStoreClient
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -37,7 +32,7 @@ def redis_server(workdir: Path) -> Iterator[str]:
     if binary is None:
         raise RuntimeError("redis-server is not installed")
     workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
     args += ["no", "--dir", str(workdir), "--protected-mode", "no"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

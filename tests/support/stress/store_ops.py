@@ -4,8 +4,9 @@
 mappings, and the tally; each task (:meth:`StoreRun.loop`) picks ops weighted by
 ``STORE_OPS``: puts, ``reserve``/``commit`` writes, gets, ``acquire`` read through the
 tenant's arena mapping, ``get_layer``, lookups, deletes, prefetches, probes of another
-tenant's keys, releases by the wrong owner (refused), and puts, reserves and gets cancelled
-midway (as the daemon's streams are when their client goes away).
+tenant's keys, releases by the wrong owner (refused), puts, reserves and gets cancelled
+midway (as the daemon's streams are when their client goes away), and the operations: a
+namespace's usage (checked for sense), a flush, and a whole namespace evicted.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ STORE_OPS = {
     "wrong_owner": 1,
     "cancel_reserve": 2,
     "cancel_put": 2,
+    "usage": 1,
+    "flush": 0.5,
+    "evict_namespace": 0.2,  # the operator's `kvstore evict`: a whole tenant's cache goes
 }
 
 
@@ -148,6 +152,22 @@ class StoreRun:
         full = chain_keys(step.tenant, step.family, step.branch)
         self.tally.events["deleted_blocks"] += await self.store.delete(
             full[first], self.digests[step.tenant]
+        )
+
+    async def op_usage(self, step: Step) -> None:
+        usage = await self.store.usage_of(self.digests[step.tenant])
+        copies = dict(usage.tiers)
+        if usage.size != usage.blocks * LAYOUT.payload_bytes or any(
+            not 0 <= count <= usage.blocks for count in copies.values()
+        ):
+            self.tally.fail("usage", f"usage_of answered {usage}")
+
+    async def op_flush(self, step: Step) -> None:
+        self.tally.events["flushed_blocks"] += await self.store.flush()
+
+    async def op_evict_namespace(self, step: Step) -> None:
+        self.tally.events["evicted_blocks"] += await self.store.evict_namespace(
+            self.digests[step.tenant]
         )
 
     async def op_prefetch(self, step: Step) -> None:

@@ -71,6 +71,16 @@ async def run_store_stress(
         counted = {tier.name: tier.blocks for tier in after.tiers}
         if counted != {name: copies[name] for name in counted}:
             problems.append(f"stats counts {counted} blocks per tier, the index holds {copies}")
+        # Every copy a local tier holds is a node's that lists it, and the other way round: a
+        # copy written for a node deleted meanwhile would be an orphan no one frees.
+        for name in ("host", "ssd"):
+            stored = set(store.tier(name).tier.keys())
+            listed = {node.id for node in store.index.nodes() if name in node.tiers}
+            if stored != listed:
+                problems.append(
+                    f"{name}: {len(stored - listed)} copies no node lists (orphans), "
+                    f"{len(listed - stored)} listed copies missing"
+                )
         # The eviction order holds exactly each tier's leaves, kept by events: brute force.
         for name in counted:
             listed, leaves = set(store.policy.victims(name)), tier_leaves(store.index, name)
