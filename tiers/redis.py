@@ -23,22 +23,40 @@ Redis being down is an expected outcome, not an error: a connection error or tim
 into a miss (``None``, ``False``), ``healthy()`` turns ``False`` and for ``retry_interval_s``
 every call answers a miss at once without touching the network; then one call probes again
 and, if Redis answers, the tier is healthy and writes resume.
+
+On a Redis Cluster this holds per node. A batch is split by the node that serves each key's
+slot (the client's slot map) and sent as one pipeline per node, concurrently: a node that
+fails costs the misses of its own keys, for ``retry_interval_s``, while the keys of the other
+nodes are served. Each failure of a node also reloads the slot map (``CLUSTER SLOTS``), and
+the keys of the failed call that it now maps to another node are tried there once: once a
+replica is promoted, its slots are served by the first call that finds the old primary gone
+(with a slot map from before the failover, as a node that had no reason to look has).
+``down_nodes()`` names the nodes that failed and have not answered since; ``healthy()`` is
+``False`` while there is one (the tier is degraded, not off).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Self, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, Self, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    SlotNotCoveredError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.tiers.base import (
@@ -48,27 +66,54 @@ from kvstore.tiers.base import (
     check_key,
     check_range,
 )
+from kvstore.tiers.redis_url import (
+    CLUSTER_SCHEMES,
+    SENTINEL_SCHEMES,
+    check_tls,
+    check_url,
+    cluster_credentials,
+    cluster_seeds,
+    sentinel_service,
+)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Op = Callable[[Redis], Awaitable[T]]
+Client = Redis | RedisCluster
+Op = Callable[[Client], Awaitable[T]]
+Batch = Callable[[Client, Sequence[int]], Awaitable[list[object]]]  # answers, one per position
 
-# Errors that mean "Redis is unreachable" (the builtin ones cover sockets and asyncio timeouts).
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-URL_SCHEMES = ("redis", "rediss", "unix")
+# Errors that mean "Redis is unreachable" (the builtin ones cover sockets and asyncio timeouts;
+# a cluster none of whose nodes answers, or whose slot no node serves, raises
+# RedisClusterException, which is no RedisError; a live node answers CLUSTERDOWN while a
+# failed primary's slots have no owner yet, until its replica is promoted).
+UNREACHABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    RedisClusterException,
+    ClusterDownError,
+    OSError,
+)
 MAX_OFFSET = 2**62  # GETRANGE takes signed 64-bit offsets
+WHOLE = ""  # the target of a call no single node answers for: the one server (or Sentinel
+# primary), or a cluster whose slot map is not known yet
+_FAILED = object()  # the answer for a key whose node did not answer
 
 
 class _Failed(Exception):
     """Redis did not answer (down, skipped while degraded, or refused the command)."""
 
 
+class _Unreachable(_Failed):
+    """The node was tried and did not answer."""
+
+
 class RedisTier:
     """A :class:`~kvstore.tiers.base.Tier` over a Redis server shared by every node.
 
     Args:
-        url: ``redis://host:port/db``, ``rediss://...`` or ``unix://path``.
+        url: ``redis://host:port/db``, ``rediss://...``, ``unix://path``, or a Redis Cluster's
+            seed nodes: ``redis+cluster://host:port,host:port`` (``rediss+cluster://``).
         capacity_bytes: Most bytes (keys and blobs) this instance keeps in Redis.
         key_prefix: Namespace of the Redis keys; nodes sharing blobs use the same one.
         ttl_s: Expire every blob this long after it is written; ``None`` keeps them.
@@ -76,9 +121,13 @@ class RedisTier:
         timeout_s: Connect and socket timeout of every command.
         retry_interval_s: How long to answer misses without trying, once Redis failed.
         name: Name used in logs and metrics.
+        tls_ca: With a ``rediss`` URL, the PEM file of the CA that signed the servers'
+            certificates (``None``: the system's CAs). Certificates are always verified.
+        tls_cert, tls_key: A client certificate and its key, for servers that ask for one.
 
     Raises:
-        ValueError: A bad URL scheme, or a size, count or duration out of range.
+        ValueError: A bad URL scheme, a size, count or duration out of range, or TLS files
+            that do not fit the URL or do not exist.
     """
 
     def __init__(
@@ -92,8 +141,16 @@ class RedisTier:
         timeout_s: float = 1.0,
         retry_interval_s: float = 1.0,
         name: str = "redis",
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         _check_args(url, capacity_bytes, key_prefix, ttl_s, pool_size, timeout_s, retry_interval_s)
+        check_tls(url, tls_ca or "", tls_cert or "", tls_key or "")
+        self._tls: dict[str, Any] = {}
+        if url.startswith("rediss"):
+            self._tls = {"ssl_ca_certs": tls_ca or None, "ssl_certfile": tls_cert or None,
+                         "ssl_keyfile": tls_key or None, "ssl_cert_reqs": "required"}  # fmt: skip
         self.name = name
         self._url = url
         self._capacity = capacity_bytes
@@ -106,9 +163,12 @@ class RedisTier:
         self._used = 0  # sum of _sizes + bytes reserved by puts in flight
         self._deadlines: dict[bytes, float] = {}  # key -> monotonic time its TTL ends
         self._expiring: deque[tuple[float, bytes]] = deque()  # in deadline order
-        self._client: Redis | None = None
-        self._healthy = False
-        self._retry_at = 0.0
+        self._client: Client | None = None
+        # Calls in flight at once. The one-server pool blocks by itself; redis-py's cluster
+        # client would raise on a node's full pool instead, so it waits here.
+        self._slots: contextlib.AbstractAsyncContextManager[object] = contextlib.nullcontext()
+        self._down: dict[str, float] = {}  # target that failed -> monotonic time of its next try
+        self._refresh: asyncio.Task[None] | None = None  # a cluster slot map being reloaded
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -121,6 +181,60 @@ class RedisTier:
         """Builds the connection pool and pings Redis; a Redis that is down only degrades."""
         if self._client is not None:
             return
+        self._client = self._connect()
+        self._down.clear()
+        try:
+            await self._call(lambda client: client.ping(), WHOLE)
+        except _Failed:
+            return
+        logger.info("redis tier %s: connected, prefix %r", self.name, self._prefix)
+
+    def _connect(self) -> Client:
+        """A client for one server (a blocking pool of ``pool_size``) or for a Redis Cluster
+        (``redis+cluster://`` seeds: redis-py's cluster client, which maps slots to nodes,
+        splits pipelines by node and follows MOVED/ASK; ``pool_size`` connections per node).
+        Connecting waits for nothing: the first command does, within ``timeout_s``."""
+        scheme = self._url.partition("://")[0]
+        if scheme in SENTINEL_SCHEMES:
+            # The sentinels name the primary (again after a failover); its pool is not a
+            # blocking one, so calls in flight are bounded here too.
+            self._slots = asyncio.Semaphore(self._pool_size)
+            user, password = cluster_credentials(self._url)
+            service, database = sentinel_service(self._url)
+            # With rediss+sentinel, TLS to the sentinels and to the primary alike.
+            connection: dict[str, Any] = {"socket_timeout": self._timeout_s,
+                                          "socket_connect_timeout": self._timeout_s}  # fmt: skip
+            if self._tls:
+                connection.update(ssl=True, **self._tls)
+            sentinel = Sentinel(cluster_seeds(self._url), sentinel_kwargs=connection)  # type: ignore[no-untyped-call]
+            primary: Redis = sentinel.master_for(
+                service,
+                db=database,
+                username=user,
+                password=password,
+                retry=Retry(NoBackoff(), 0),
+                **connection,
+            )
+            return primary
+        if scheme in CLUSTER_SCHEMES:
+            self._slots = asyncio.Semaphore(self._pool_size)
+            user, password = cluster_credentials(self._url)
+            return RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in cluster_seeds(self._url)],
+                username=user,
+                password=password,
+                ssl=bool(self._tls),
+                **self._tls,
+                max_connections=self._pool_size,
+                socket_timeout=self._timeout_s,
+                socket_connect_timeout=self._timeout_s,
+                # No retry: redis-py retries a failed pipeline after closing every node's
+                # connections, the other nodes' calls in flight too. A failed node is
+                # skipped here instead, and the slot map reloaded (MOVED/ASK are followed
+                # whatever the retries).
+                retry=Retry(NoBackoff(), 0),
+                require_full_coverage=False,  # a shard down costs its slots' misses only
+            )
         pool = BlockingConnectionPool.from_url(
             self._url,
             max_connections=self._pool_size,
@@ -128,20 +242,21 @@ class RedisTier:
             socket_timeout=self._timeout_s,
             socket_connect_timeout=self._timeout_s,
             retry=Retry(NoBackoff(), 0),  # failing fast is the point: misses are cheap
+            **self._tls,
         )
-        self._client = Redis(connection_pool=pool)
-        self._healthy, self._retry_at = True, 0.0
-        try:
-            await self._call(lambda client: client.ping())
-        except _Failed:
-            return
-        logger.info("redis tier %s: connected, prefix %r", self.name, self._prefix)
+        return Redis(connection_pool=pool)
 
     async def aclose(self) -> None:
         """Closes the connections."""
         client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        if client is None:
+            return
+        if self._refresh is not None:
+            self._refresh.cancel()
+            await asyncio.gather(self._refresh, return_exceptions=True)
+            self._refresh = None
+        await client.aclose()
+        if isinstance(client, Redis):
             await client.connection_pool.aclose()
 
     async def put(self, key: bytes, data: Buffer) -> bool:
@@ -169,9 +284,10 @@ class RedisTier:
         results: list[object] = []
         try:
             if accepted:
-                results = await self._call(lambda client: self._set_all(client, accepted))
-        except _Failed:
-            pass
+                results = await self._per_node(
+                    [rkey for rkey, _ in accepted],
+                    lambda client, part: self._set_all(client, [accepted[i] for i in part]),
+                )
         finally:
             stored = iter(results)
             done = [fit and next(stored, None) is True for fit in fits]
@@ -186,13 +302,9 @@ class RedisTier:
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Returns one ``get`` answer per key, in one round trip."""
         rkeys = [self._rkey(key) for key in keys]
-        try:
-            values = await self._call(lambda client: _pipelined(client, "get", rkeys))
-        except _Failed:
-            return [None] * len(rkeys)
-        found = [value if isinstance(value, bytes) else None for value in values]
-        self._observe(rkeys, [value is not None for value in found])
-        return found
+        values = await self._per_node(rkeys, _pipelined("GET", rkeys))
+        self._observe(rkeys, [value is None if value is not _FAILED else None for value in values])
+        return [value if isinstance(value, bytes) else None for value in values]
 
     async def get_range(self, key: bytes, offset: int, length: int) -> bytes | None:
         """Returns ``length`` bytes of the blob from ``offset`` (fewer at its end), or ``None``.
@@ -205,11 +317,12 @@ class RedisTier:
         start, end = min(offset, MAX_OFFSET), min(offset + length - 1, MAX_OFFSET)
         try:
             exists, data = await self._call(
-                lambda client: _exists_and_range(client, rkey, start, end if length else None)
+                lambda client: _exists_and_range(client, rkey, start, end if length else None),
+                self._target(rkey),
             )
         except _Failed:
             return None
-        self._observe([rkey], [exists])
+        self._observe([rkey], [not exists])
         return data if exists else None
 
     async def contains(self, key: bytes) -> bool:
@@ -219,19 +332,15 @@ class RedisTier:
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Returns one ``contains`` answer per key, in one round trip."""
         rkeys = [self._rkey(key) for key in keys]
-        try:
-            counts = await self._call(lambda client: _pipelined(client, "exists", rkeys))
-        except _Failed:
-            return [False] * len(rkeys)
-        found = [count == 1 for count in counts]
-        self._observe(rkeys, found)
-        return found
+        counts = await self._per_node(rkeys, _pipelined("EXISTS", rkeys))
+        self._observe(rkeys, [count == 0 if count is not _FAILED else None for count in counts])
+        return [count == 1 for count in counts]
 
     async def delete(self, key: bytes) -> bool:
         """Deletes ``key``; returns whether Redis held it (``False`` when Redis is down)."""
         rkey = self._rkey(key)
         try:
-            removed = await self._call(lambda client: client.delete(rkey))
+            removed = await self._call(lambda client: client.delete(rkey), self._target(rkey))
         except _Failed:
             return False
         self._forget(rkey[len(self._prefix) :])
@@ -252,8 +361,20 @@ class RedisTier:
         return self._capacity
 
     def healthy(self) -> bool:
-        """Returns ``False`` from the moment Redis fails until it answers again."""
-        return self._client is not None and self._healthy
+        """Returns ``False`` from the moment Redis (one of a cluster's nodes) fails until it
+        answers again."""
+        return self._client is not None and not self.down_nodes()
+
+    def down_nodes(self) -> list[str]:
+        """The nodes (``host:port``; ``""`` for the one server, or a cluster not reached yet)
+        that failed and have not answered since. A cluster node that serves no slot any more
+        (its replica took over) is left out."""
+        client = self._client
+        if isinstance(client, RedisCluster) and self._down:
+            serving = {node.name for node in client.get_primaries()}
+            for gone in [name for name in self._down if name != WHOLE and name not in serving]:
+                del self._down[gone]
+        return sorted(self._down)
 
     def _rkey(self, key: bytes) -> bytes:
         if self._client is None:
@@ -293,9 +414,10 @@ class RedisTier:
         self._used -= self._sizes.pop(key, 0)
         self._deadlines.pop(key, None)
 
-    def _observe(self, rkeys: Sequence[bytes], present: Sequence[bool]) -> None:
-        for rkey, here in zip(rkeys, present, strict=True):
-            if not here:
+    def _observe(self, rkeys: Sequence[bytes], absent: Sequence[bool | None]) -> None:
+        """Forgets the keys a read found absent (``None``: their node did not answer)."""
+        for rkey, gone in zip(rkeys, absent, strict=True):
+            if gone:
                 self._forget(rkey[len(self._prefix) :])
 
     def _reap(self) -> None:
@@ -305,59 +427,141 @@ class RedisTier:
             if self._deadlines.get(key) == deadline:
                 self._forget(key)
 
-    async def _set_all(self, client: Redis, batch: list[tuple[bytes, memoryview]]) -> list[object]:
+    async def _set_all(self, client: Client, batch: list[tuple[bytes, memoryview]]) -> list[object]:
         async with client.pipeline(transaction=False) as pipe:
             for rkey, view in batch:
                 pipe.set(rkey, view, px=self._ttl_ms)
-            return list(await pipe.execute(raise_on_error=False))
+            results = list(await pipe.execute(raise_on_error=False))
+        # A key's own error (OOM under maxmemory) is that key's answer, but a cluster
+        # pipeline hands back its node's failure as every key's answer too: raised, so that
+        # the node counts as down (a write is often the first call after a node died). Some
+        # keys stored and others not: the node answered (the rest were redirected elsewhere).
+        if results and all(isinstance(result, UNREACHABLE) for result in results):
+            raise results[0]
+        return results
 
-    async def _call(self, op: Op[T]) -> T:
-        """Runs ``op`` on the client, or raises :class:`_Failed` without raising anything else."""
+    def _target(self, rkey: bytes) -> str:
+        """The node serving ``rkey``'s slot (``WHOLE`` for one server, or while a cluster's
+        slot map is not known)."""
+        client = self._client
+        if not isinstance(client, RedisCluster) or not client.nodes_manager.slots_cache:
+            return WHOLE
+        try:
+            return str(client.nodes_manager.get_node_from_slot(client.keyslot(rkey)).name)
+        except SlotNotCoveredError:
+            return WHOLE
+
+    async def _per_node(self, rkeys: Sequence[bytes], run: Batch) -> list[object]:
+        """``run(client, positions)`` once per node serving some of ``rkeys`` (concurrently),
+        with the positions of that node's keys; returns its answers in the order of
+        ``rkeys``, ``_FAILED`` for the keys of a node that failed or is skipped."""
+        answers: list[object] = [_FAILED] * len(rkeys)
+
+        async def on(target: str, part: list[int], *, again: bool = True) -> None:
+            try:
+                values = await self._call(lambda client: run(client, part), target)
+            except _Unreachable:
+                if again and self._refresh is not None:
+                    # The slot map this failure reloads may send these keys elsewhere now
+                    # (this node's replica took over): one more try there, none here.
+                    await asyncio.shield(self._refresh)
+                    moved = self._split(rkeys, part)
+                    moved.pop(target, None)
+                    await asyncio.gather(*(on(*item, again=False) for item in moved.items()))
+                return
+            except _Failed:
+                return
+            for position, value in zip(part, values, strict=True):
+                answers[position] = value
+
+        parts = self._split(rkeys, range(len(rkeys)))
+        if len(parts) == 1:
+            await on(*parts.popitem())
+        else:
+            await asyncio.gather(*(on(target, part) for target, part in parts.items()))
+        return answers
+
+    def _split(self, rkeys: Sequence[bytes], positions: Iterable[int]) -> dict[str, list[int]]:
+        """The ``positions`` of ``rkeys`` by the node serving each key's slot."""
+        parts: dict[str, list[int]] = {}
+        for position in positions:
+            parts.setdefault(self._target(rkeys[position]), []).append(position)
+        return parts
+
+    async def _call(self, op: Op[T], target: str) -> T:
+        """Runs ``op`` on the client for ``target``, or raises :class:`_Failed` without
+        raising anything else."""
         if self._client is None:
             raise TierClosedError(f"redis tier {self.name} is not started or already closed")
-        if not self._may_try():
+        if not self._may_try(target):
             raise _Failed
         try:
-            result = await op(self._client)
+            async with self._slots:
+                result = await op(self._client)
         except UNREACHABLE as exc:
-            self._degrade(exc)
-            raise _Failed from exc
+            self._degrade(target, exc)
+            raise _Unreachable from exc
         except RedisError as exc:
-            logger.warning("redis tier %s: command failed: %s", self.name, exc)
+            logger.warning("redis tier %s: command failed: %s", self.name, _reason(exc))
             raise _Failed from exc
-        if not self._healthy:
-            self._healthy = True
-            logger.info("redis tier %s: Redis answers again, resuming", self.name)
+        for answered in {target, WHOLE} & self._down.keys():  # a node answering: the cluster is up
+            del self._down[answered]
+            logger.info("redis tier %s: %s answers again, resuming", self.name, _node(answered))
         return result
 
-    def _may_try(self) -> bool:
-        if self._healthy:
+    def _may_try(self, target: str) -> bool:
+        retry_at = self._down.get(target)
+        if retry_at is None:
             return True
         now = time.monotonic()
-        if now < self._retry_at:
+        if now < retry_at:
             return False
-        self._retry_at = now + self._retry_interval_s  # this call probes; the others miss
+        self._down[target] = now + self._retry_interval_s  # this call probes; the others miss
         return True
 
-    def _degrade(self, exc: BaseException) -> None:
-        self._retry_at = time.monotonic() + self._retry_interval_s
-        if self._healthy:
-            self._healthy = False
+    def _degrade(self, target: str, exc: BaseException) -> None:
+        if target not in self._down:
             logger.warning(
-                "redis tier %s: Redis unreachable (%s: %s); answering misses, retrying every %gs",
-                self.name, type(exc).__name__, exc, self._retry_interval_s,
+                "redis tier %s: %s unreachable (%s: %s); answering misses, retrying every %gs",
+                self.name, _node(target), type(exc).__name__, _reason(exc),
+                self._retry_interval_s,
             )  # fmt: skip
+        self._down[target] = time.monotonic() + self._retry_interval_s
+        client = self._client
+        if isinstance(client, RedisCluster) and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.get_running_loop().create_task(self._reload_slots(client))
+
+    async def _reload_slots(self, client: RedisCluster) -> None:
+        """Reloads the cluster's slot map (a replica promoted serves its slots from now on)."""
+        try:
+            await client.nodes_manager.initialize()
+        except (*UNREACHABLE, RedisError) as exc:
+            logger.debug("redis tier %s: slot map not reloaded: %s", self.name, exc)
 
 
-async def _pipelined(client: Redis, command: str, rkeys: Sequence[bytes]) -> list[object]:
-    async with client.pipeline(transaction=False) as pipe:
-        for rkey in rkeys:
-            pipe.execute_command(command.upper(), rkey)
-        return list(await pipe.execute())
+def _reason(exc: BaseException) -> str:
+    """What went wrong, without the command redis-py puts before it (a key in raw bytes)."""
+    return str(exc).rpartition(" caused error: ")[2]
+
+
+def _node(target: str) -> str:
+    return "Redis" if target == WHOLE else f"node {target}"
+
+
+def _pipelined(command: str, rkeys: Sequence[bytes]) -> Batch:
+    """A :data:`Batch` sending ``command`` for the keys at the positions it is given."""
+
+    async def run(client: Client, part: Sequence[int]) -> list[object]:
+        async with client.pipeline(transaction=False) as pipe:
+            for position in part:
+                pipe.execute_command(command, rkeys[position])
+            return list(await pipe.execute())
+
+    return run
 
 
 async def _exists_and_range(
-    client: Redis, rkey: bytes, start: int, end: int | None
+    client: Client, rkey: bytes, start: int, end: int | None
 ) -> tuple[bool, bytes]:
     """``EXISTS`` and ``GETRANGE`` in one ``MULTI``: a missing key and an empty range differ."""
     async with client.pipeline(transaction=True) as pipe:
@@ -378,8 +582,7 @@ def _check_args(
     timeout_s: float,
     retry_interval_s: float,
 ) -> None:
-    if urlsplit(url).scheme not in URL_SCHEMES:
-        raise ValueError(f"url must start with one of {URL_SCHEMES}, got {url!r}")
+    check_url(url)
     if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
         raise ValueError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
     checks = [

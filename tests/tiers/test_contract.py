@@ -31,7 +31,7 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8  # 32 bytes, like a block key
 
 
-@pytest.fixture(params=["host", "ssd", "redis"])
+@pytest.fixture(params=["host", "ssd", "redis", "redis-cluster"])
 def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> MakeTier:
     kind = request.param
     counter = iter(range(1_000_000))
@@ -43,12 +43,16 @@ def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> MakeTier:
             tier = HostTier(capacity)
         elif kind == "ssd":
             tier = SsdTier(tmp_path / f"ssd-{next(counter)}", capacity)
-        else:
+        elif kind == "redis":
             server = request.getfixturevalue("redis_server")
             if server.proc is None:
                 server.start()
             server.flushall()
             tier = RedisTier(server.url, capacity, key_prefix=f"contract{next(counter)}")
+        else:  # keys spread over the three primaries' slots
+            cluster = request.getfixturevalue("redis_cluster")
+            cluster.flushall()
+            tier = RedisTier(cluster.url, capacity, key_prefix=f"contract{next(counter)}")
         async with tier:
             yield tier
 

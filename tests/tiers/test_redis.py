@@ -6,19 +6,27 @@ A real redis-server process (session fixture); tests that stop it start it again
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
+from kvstore.inference_adapter.bench.redis_cluster import LocalCluster, LocalSentinel, command
 from kvstore.tiers import BlobTooLargeError, InvalidKeyError, InvalidRangeError, TierClosedError
 from kvstore.tiers.redis import RedisTier
+from tests.support.net import free_port, self_signed
+from tests.support.waiting import wait_for
 
 KIB = 1024
 
@@ -242,7 +250,7 @@ async def test_closed_tier_raises(redis_url: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"url": "http://localhost"}, "got 'http://localhost'"),
+        ({"url": "http://localhost"}, "http://localhost: the scheme must be one of redis, "),
         ({"capacity_bytes": 0}, "capacity_bytes out of range, got 0"),
         ({"capacity_bytes": 2.5}, "capacity_bytes must be an int, got 2.5"),
         ({"key_prefix": ""}, "key_prefix out of range, got ''"),
@@ -256,3 +264,279 @@ def test_bad_constructor_args_name_the_value(kwargs: dict[str, object], message:
     args: dict[str, object] = {"url": "redis://127.0.0.1:1/0", "capacity_bytes": KIB, **kwargs}
     with pytest.raises(ValueError, match=message):
         RedisTier(**args)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def small_redis(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of its own with maxmemory 4 MiB and allkeys-lru; yields its URL."""
+    port = free_port()
+    options = ["--port", str(port), "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]
+    with own_redis(tmp_path, options, lambda: command(port, "PING") == "+PONG"):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@contextlib.contextmanager
+def own_redis(workdir: Path, options: list[str], ready: Callable[[], bool]) -> Iterator[None]:
+    """A redis-server of a test's own (no persistence) with ``options``, once ``ready()``;
+    killed on exit."""
+    proc = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), *options],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_for(ready)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_capacity_bounds_what_this_instance_wrote_and_redis_bounds_the_rest(
+    small_redis: str,
+) -> None:
+    """What ``capacity`` bounds, as the docs say: the bytes this instance wrote that it has
+    not seen disappear. Two instances (two daemons) sharing one Redis each count their own
+    only, so together they may hold twice one capacity; Redis's maxmemory (allkeys-lru) is
+    what bounds the shared tier, and keys Redis evicted leave a writer's count when a read
+    finds them gone."""
+    url, blob = small_redis, 64 * KIB
+    node_a = RedisTier(url, 3 * 1024 * KIB, key_prefix="shared")
+    node_b = RedisTier(url, 3 * 1024 * KIB, key_prefix="shared")
+    async with node_a, node_b:
+        record = len(b"shared:") + 32 + blob  # a Redis key and its value
+        a_keys = [b"a" * 28 + i.to_bytes(4, "big") for i in range(50)]
+        b_keys = [b"b" * 28 + i.to_bytes(4, "big") for i in range(50)]
+        a_stored = await node_a.put_many([(k, os.urandom(blob)) for k in a_keys])
+        b_stored = await node_b.put_many([(k, os.urandom(blob)) for k in b_keys])
+        fit = 3 * 1024 * KIB // record  # 47: each stops at its own capacity
+        assert a_stored == b_stored == [True] * fit + [False] * (50 - fit)
+        assert node_a.usage() == node_b.usage() == fit * record
+        assert set(node_a.keys()).isdisjoint(node_b.keys())
+        # Together about 6 MiB > maxmemory 4 MiB: Redis evicted some (no tier is told).
+        held = [await node_a.contains_many(a_keys), await node_b.contains_many(b_keys)]
+        assert 0 < sum(map(sum, held)) * record < 4 * 1024 * KIB
+        # The reads found the evicted keys gone: each count is now what Redis holds of it.
+        assert node_a.usage() == sum(held[0]) * record
+        assert node_b.usage() == sum(held[1]) * record
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path, Path, Path]]:
+    """A redis-server that speaks TLS only, with a self-signed certificate for localhost
+    (its own CA) and client certificates optional; yields (port, cert, key, a foreign CA)."""
+    cert, key = self_signed(tmp_path)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    other_ca, _ = self_signed(foreign)
+    port = free_port()
+    options = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+               "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+               "--tls-auth-clients", "optional"]  # fmt: skip
+    with own_redis(tmp_path, options, lambda: tls_answers(port, cert)):
+        yield port, cert, key, other_ca
+
+
+def tls_answers(port: int, ca: Path) -> bool:
+    try:
+        with SyncRedis(port=port, ssl=True, ssl_ca_certs=str(ca), socket_timeout=1) as client:
+            return bool(client.ping())
+    except OSError:
+        return False
+    except RedisError:
+        return False
+
+
+async def test_rediss_with_the_servers_ca_round_trips_and_a_foreign_ca_only_misses(
+    tls_redis: tuple[int, Path, Path, Path],
+) -> None:
+    """``rediss://`` to a TLS-only server: with ``tls_ca`` naming its CA, blobs round-trip
+    (and with a client certificate too); with another CA the handshake fails, which is a
+    miss and an unhealthy tier, never an error or bytes; plain ``redis://`` to the TLS port
+    is the same. A ``tls_ca`` that is no file is refused at construction, by name."""
+    port, cert, private_key, other_ca = tls_redis
+    url = f"rediss://localhost:{port}/0"
+    async with RedisTier(url, 64 * KIB, key_prefix="tls", tls_ca=str(cert)) as tier:
+        assert await tier.put(key(1), b"over tls") and tier.healthy()
+        assert await tier.get(key(1)) == b"over tls"
+    mutual = RedisTier(url, 64 * KIB, key_prefix="tls", tls_ca=str(cert), tls_cert=str(cert),
+                       tls_key=str(private_key))  # fmt: skip
+    async with mutual:
+        assert await mutual.get(key(1)) == b"over tls"
+    for wrong in (
+        RedisTier(url, 64 * KIB, key_prefix="tls", tls_ca=str(other_ca), timeout_s=2.0),
+        RedisTier(f"redis://localhost:{port}/0", 64 * KIB, key_prefix="tls", timeout_s=2.0),
+    ):
+        async with wrong:
+            assert await wrong.get(key(1)) is None and not wrong.healthy()
+            assert await wrong.put(key(2), b"x") is False
+    with pytest.raises(ValueError, match="tls_ca"):
+        RedisTier(url, 64 * KIB, tls_ca=str(port))  # no such file
+    with pytest.raises(ValueError, match="tls_ca"):
+        RedisTier(f"redis://localhost:{port}/0", 64 * KIB, tls_ca=str(cert))  # TLS off
+
+
+async def put_derived(tier: RedisTier, count: int) -> dict[bytes, bytes]:
+    """Puts ``count`` blobs derived from their keys; returns them by key."""
+    keys = [bytes([i]) * 32 for i in range(count)]
+    blobs = {key: hashlib.sha256(key).digest() * 40 for key in keys}
+    assert await tier.put_many(list(blobs.items())) == [True] * len(blobs)
+    return blobs
+
+
+async def reads_miss_or_match(tier: RedisTier, blobs: dict[bytes, bytes]) -> tuple[int, bool]:
+    """Reads every key once: each must be a miss or its own bytes, never another's and
+    never an exception. Returns the misses and whether the tier says it is degraded."""
+    results = await asyncio.gather(*(tier.get(k) for k in blobs))
+    for k, got in zip(blobs, results, strict=True):
+        assert got is None or got == blobs[k]
+    return sum(got is None for got in results), not tier.healthy()
+
+
+async def test_a_cluster_primary_killed_costs_misses_then_its_replica_serves(
+    tmp_path: Path,
+) -> None:
+    """A real cluster (3 primaries, 3 replicas) loses a primary: reads of its slots miss
+    (never raise, never return other bytes) until its replica is promoted; then they are
+    served again and writes to those slots land."""
+    cluster = LocalCluster(tmp_path)
+    cluster.start()
+    try:
+        tier = RedisTier(cluster.url, 64 * 1024 * KIB, key_prefix="failover", timeout_s=2.0,
+                         retry_interval_s=0.2)  # fmt: skip
+        async with tier:
+            blobs = await put_derived(tier, 60)
+            primaries = [p for p in cluster.ports if "master" in cluster.command(p, "ROLE")]
+            replicas = [p for p in cluster.ports if p not in primaries]
+            wait_for(lambda: sum(cluster.dbsize(p) for p in replicas) == len(blobs))
+            victim = primaries[0]
+            lost = cluster.dbsize(victim)
+            assert lost > 0
+            cluster.procs.pop(victim).kill()
+            misses = served = 0
+            saw_degraded = False
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                missed, degraded = await reads_miss_or_match(tier, blobs)
+                misses += missed
+                saw_degraded |= degraded
+                if not missed:
+                    served += 1
+                    if served >= 2:  # stable: the replica took over the slots
+                        break
+                await asyncio.sleep(0.1)
+            assert served >= 2, f"the killed primary's slots were not served again ({misses})"
+            assert misses > 0 and saw_degraded  # the outage was seen, as misses
+            fresh = {bytes([200 + i]) * 32: bytes([i]) * 5000 for i in range(30)}
+            assert await tier.put_many(list(fresh.items())) == [True] * len(fresh)
+            assert await tier.get_many(list(fresh)) == list(fresh.values())
+            assert tier.healthy()
+    finally:
+        cluster.stop()
+
+
+def patient_tier(cluster: LocalCluster, prefix: str) -> RedisTier:
+    """A tier over ``cluster`` for killing a node: a killed node refuses at once, and a long
+    timeout keeps a slow answer of a live node (a loaded machine) from counting as that node
+    down. No probe of the dead node."""
+    return RedisTier(
+        cluster.url, 64 * 1024 * KIB, key_prefix=prefix, timeout_s=5.0, retry_interval_s=60
+    )
+
+
+async def test_a_dead_cluster_primary_costs_only_the_misses_of_its_own_keys(
+    tmp_path: Path,
+) -> None:
+    """One primary of three killed: batches that span every node keep getting the other
+    nodes' keys (their bytes, at once, every time) and miss only the dead node's keys; puts
+    land on the live nodes; the tier names the dead node as down. (Before, one node's
+    failure made the whole tier answer misses for ``retry_interval_s``.)"""
+    cluster = LocalCluster(tmp_path)
+    cluster.start()
+    try:
+        async with patient_tier(cluster, "iso") as tier:
+            blobs = await put_derived(tier, 90)
+            primaries = [p for p in cluster.ports if "master" in cluster.command(p, "ROLE")]
+            victim = primaries[0]
+            with SyncRedis(port=victim) as node:
+                on_victim = {bytes(k)[len(b"iso:") :] for k in node.keys("iso:*")}
+            assert 0 < len(on_victim) < len(blobs)
+            cluster.procs.pop(victim).kill()
+            keys = list(blobs)
+            for _ in range(5):
+                got = await tier.get_many(keys)
+                assert got == [None if k in on_victim else blobs[k] for k in keys]
+                assert await tier.contains_many(keys) == [k not in on_victim for k in keys]
+            assert tier.down_nodes() == [f"127.0.0.1:{victim}"] and not tier.healthy()
+            fresh = [(bytes([150 + i]) * 32, bytes([i]) * 3000) for i in range(60)]
+            stored = await tier.put_many(fresh)
+            assert any(stored) and not all(stored)
+            assert await tier.get_many([k for k, _ in fresh]) == [
+                blob if ok else None for (_, blob), ok in zip(fresh, stored, strict=True)
+            ]
+    finally:
+        cluster.stop()
+
+
+async def test_a_write_to_a_dead_cluster_primary_marks_it_down_at_once(tmp_path: Path) -> None:
+    """The first call after a primary died is a put of a key in its slots, over the
+    connection an earlier put opened: it is not stored, and the tier names that node as down
+    at once. (A cluster pipeline hands a failure on an open connection back as each key's
+    answer; before, such a write failed without the node counting as down, so health stayed
+    SERVING until a read came.)"""
+    cluster = LocalCluster(tmp_path)
+    cluster.start()
+    try:
+        async with patient_tier(cluster, "w") as tier:
+            victim = next(p for p in cluster.ports if "master" in cluster.command(p, "ROLE"))
+            with SyncRedis(port=victim) as node:
+                owned = [(int(r[0]), int(r[1])) for r in node.execute_command("CLUSTER", "SLOTS")
+                         if int(r[2][1]) == victim]  # fmt: skip
+                candidates = [bytes([i]) * 32 for i in range(200)]
+                slots = [int(node.execute_command("CLUSTER", "KEYSLOT", b"w:" + k))
+                         for k in candidates]  # fmt: skip
+            first, second = [k for k, slot in zip(candidates, slots, strict=True)
+                              if any(lo <= slot <= hi for lo, hi in owned)][:2]  # fmt: skip
+            assert await tier.put(first, b"kept" * 100) is True
+            dead = cluster.procs.pop(victim)
+            dead.kill()
+            dead.wait(10)
+            assert tier.healthy()
+            assert await tier.put(second, b"lost" * 100) is False
+            assert tier.down_nodes() == [f"127.0.0.1:{victim}"] and not tier.healthy()
+            assert tier.usage() == len(b"w:") + 32 + 400  # the lost put not counted
+    finally:
+        cluster.stop()
+
+
+async def test_a_sentinel_failover_costs_misses_then_writes_reach_the_new_primary(
+    tmp_path: Path,
+) -> None:
+    """Sentinels (3) watch a primary and its replica: the primary killed, reads miss or
+    return the right bytes (never another's, never an exception) until the sentinels
+    promote the replica; then reads and writes go to it."""
+    setup = LocalSentinel(tmp_path)
+    setup.start()
+    try:
+        tier = RedisTier(setup.url, 64 * 1024 * KIB, key_prefix="sentinel", timeout_s=2.0,
+                         retry_interval_s=0.2)  # fmt: skip
+        async with tier:
+            blobs = await put_derived(tier, 40)
+            keys = list(blobs)
+            wait_for(lambda: setup.dbsize(setup.replica) == len(blobs))
+            setup.procs.pop(setup.primary).kill()
+            misses, saw_degraded, wrote = 0, False, False
+            deadline = time.monotonic() + 45
+            while time.monotonic() < deadline and not wrote:
+                missed, degraded = await reads_miss_or_match(tier, blobs)
+                misses += missed
+                saw_degraded |= degraded
+                wrote = await tier.put(b"\xee" * 32, b"after the failover")
+                await asyncio.sleep(0.2)
+            assert wrote, "no write reached a new primary within 45 s"
+            assert misses > 0 and saw_degraded
+            assert "role:master" in setup.command(setup.replica, "INFO", "replication")
+            assert await tier.get_many(keys) == [blobs[k] for k in keys]
+            assert await tier.get(b"\xee" * 32) == b"after the failover"
+    finally:
+        setup.stop()

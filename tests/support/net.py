@@ -1,0 +1,28 @@
+"""Network helpers for tests: a free TCP port, and a self-signed certificate for TLS.
+
+``free_port()`` is a port on 127.0.0.1 that binds now, below the ephemeral range (see
+:mod:`kvstore.inference_adapter.bench.ports`; a test binds it right after).
+``self_signed(directory)`` makes ``cert.pem`` and ``key.pem`` there with the openssl
+command, valid for ``localhost`` and ``127.0.0.1``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from kvstore.inference_adapter.bench.ports import free_port
+
+__all__ = ["free_port", "self_signed"]
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for localhost and 127.0.0.1 and its key."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
