@@ -1,7 +1,8 @@
 """Tier throughput beside a limit measured in the same run, on the same machine.
 
-    python benchmarks/tiers.py [--sizes 32MiB,2MiB] [--blocks N] [--tiers host,ssd,redis]
-                               [--rounds R] [--pipeline P] [--dir DIR] [--json out.json]
+    python benchmarks/tiers.py [--sizes 32MiB,2MiB] [--blocks N]
+                               [--tiers host,ssd,redis,redis-cluster] [--rounds R]
+                               [--pipeline P] [--dir DIR] [--json out.json]
 
 For every block size, ``N`` blocks of KV-like bytes (``torch.randn`` float16, 32-byte keys)
 are put and read back on each tier, and the same bytes are moved by the plain mechanism the
@@ -16,14 +17,20 @@ tier is built on, which is the limit the tier is compared with:
 - redis: ``RedisTier.put_many`` / ``get_many`` in batches of ``P`` against
   ``redis-benchmark -t set,get -d <size> -n N -r N -P P -c 1`` on the same private
   redis-server (no persistence), started on a free port and stopped at the end.
+- redis-cluster: the same on a Redis Cluster (3 primaries, 3 replicas) started for each
+  block size, against ``redis-benchmark --cluster --threads 1 -P ceil(P/C) -c C`` where
+  ``C = min(P, 3)``: one connection per primary in one thread, each pipelining its share of a
+  batch, as the tier splits a batch by primary. (``--cluster`` gives each client one primary
+  and runs a thread per primary, so ``-c 1`` would load one primary only and, its two idle
+  threads stopping on a 250 ms timer, round every run up to a quarter second.)
 
 A row shows the median of ``R`` timed rounds. Host and SSD rounds run the tier op and its
 limit op block by block, alternating which goes first, so that neither gains from drift or a
-warm cache; redis rounds run redis-benchmark, then the tier. Only the calls are timed: the
-checks that every byte came back run between them. Host and redis run one untimed warm-up
-round first (the SSD needs none: its reads are made cold on purpose); the host tier's
-warm-up put is shown as ``put (fresh arena)``, the first write of each arena page paying a
-page fault once in the life of the arena.
+warm cache; redis and redis-cluster rounds run redis-benchmark, then the tier. Only the calls
+are timed: the checks that every byte came back run between them. Host and both redis tiers
+run one untimed warm-up round first (the SSD needs none: its reads are made cold on purpose);
+the host tier's warm-up put is shown as ``put (fresh arena)``, the first write of each arena
+page paying a page fault once in the life of the arena.
 """
 
 from __future__ import annotations
@@ -34,10 +41,10 @@ import csv
 import ctypes
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +64,8 @@ import torch
 import uvloop
 
 from kvstore.defaults import tune_allocator
+from kvstore.inference_adapter.bench.ports import free_port
+from kvstore.inference_adapter.bench.redis_cluster import LocalCluster
 from kvstore.tiers.base import Tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
@@ -66,10 +75,12 @@ from kvstore.tiers.ssd_files import record_overhead
 MIB = 1 << 20
 GB = 1e9
 UNITS = {"GiB": 1 << 30, "MiB": MIB, "KiB": 1 << 10, "B": 1}
-TARGETS = {"host": 0.6, "ssd": 0.8, "redis": 0.4}  # least tier / limit throughput ratio
+# The least tier / limit throughput ratio of each tier.
+TARGETS = {"host": 0.6, "ssd": 0.8, "redis": 0.4, "redis-cluster": 0.4}
 BYTES_PER_SIZE = 512 * MIB  # the default block count moves about this much per size ...
 MIN_BLOCKS, MAX_BLOCKS = 16, 64  # ... within these bounds
 BYTES_PER_CALL = 8 * MIB  # the default redis batch holds about this much
+PRIMARIES = 3  # of the local Redis Cluster, each with one replica
 PAGE_BYTES = 4096
 
 Step = Callable[[], Awaitable[dict[str, float]]]  # one round of some ops -> seconds per op
@@ -140,7 +151,7 @@ class Settings:
     rounds: int  # timed rounds, after one warm-up round
     blocks: int | None  # blocks per size; None picks by size (default_blocks)
     pipeline: int | None  # blocks per redis call; None picks by size (default_pipeline)
-    scratch: Path  # for the SSD files and the redis-server working directory
+    scratch: Path  # for the SSD files and the redis-server and cluster working directories
 
 
 Op = Callable[[int], Awaitable[float]]  # acts on block i, checks the outcome -> seconds timed
@@ -387,13 +398,6 @@ async def bench_ssd(blocks: Blocks, run: Settings) -> list[Row]:
 # redis -----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextmanager
 def redis_server(maxmemory: int, workdir: Path) -> Iterator[int]:
     """A private redis-server without persistence on a free port; yields the port."""
@@ -421,12 +425,29 @@ def _answers(client: redis.Redis) -> bool:
         return False
 
 
-def redis_benchmark(port: int, size: int, count: int, pipeline: int) -> dict[str, float]:
-    """Requests per second of ``SET`` and ``GET`` as redis-benchmark reports them."""
-    args = ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size)]
-    args += ["-n", str(count), "-r", str(count), "-P", str(pipeline), "-c", "1", "--csv"]
+@contextmanager
+def redis_cluster(workdir: Path) -> Iterator[LocalCluster]:
+    """A local Redis Cluster of ``PRIMARIES`` primaries with a replica each, stopped at the end
+    (also when it fails to come up: the nodes it started go too)."""
+    cluster = LocalCluster(workdir, primaries=PRIMARIES, replicas=1)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def redis_benchmark(port: int, size: int, count: int, options: Sequence[str]) -> dict[str, float]:
+    """Requests per second of ``SET`` and ``GET`` as redis-benchmark reports them; ``options``
+    say how (the pipeline, the clients, cluster mode)."""
+    args = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get"]
+    args += ["-d", str(size), "-n", str(count), "-r", str(count), *options, "--csv"]
     done = subprocess.run(args, capture_output=True, text=True, check=True, timeout=600)
-    return {line["test"]: float(line["rps"]) for line in csv.DictReader(done.stdout.splitlines())}
+    quoted = [line for line in done.stdout.splitlines() if line.startswith('"')]  # no node list
+    rps = {line["test"]: float(line["rps"]) for line in csv.DictReader(quoted)}
+    # It times in whole milliseconds: a run within one reports "inf".
+    expect(all(map(math.isfinite, rps.values())), "redis-benchmark ran under 1 ms: use more bytes")
+    return rps
 
 
 def batch_round(tier: RedisTier, blocks: Blocks, pipeline: int) -> Step:
@@ -453,21 +474,46 @@ def batch_round(tier: RedisTier, blocks: Blocks, pipeline: int) -> Step:
 
 
 async def bench_redis(blocks: Blocks, run: Settings) -> list[Row]:
-    count, pipeline = len(blocks.views), run.pipeline or default_pipeline(blocks.size)
+    pipeline = run.pipeline or default_pipeline(blocks.size)
     with redis_server(3 * blocks.total_bytes + 512 * MIB, run.scratch) as port:
+        url, options = f"redis://127.0.0.1:{port}/0", ["-P", str(pipeline), "-c", "1"]
+        return await redis_rows("redis", url, port, options, blocks, pipeline, run.rounds)
 
-        async def benchmark_round() -> dict[str, float]:
-            rps = await asyncio.to_thread(redis_benchmark, port, blocks.size, count, pipeline)
-            return {"SET": count / rps["SET"], "GET": count / rps["GET"]}
 
-        url = f"redis://127.0.0.1:{port}/0"
-        async with RedisTier(url, 4 * blocks.total_bytes, timeout_s=60) as tier:
-            steps = [benchmark_round, batch_round(tier, blocks, pipeline)]
-            seconds = (await run_rounds(run.rounds, steps)).rounds
-    limit = f"redis-benchmark -P {pipeline} -c 1"
+async def bench_redis_cluster(blocks: Blocks, run: Settings) -> list[Row]:
+    pipeline = run.pipeline or default_pipeline(blocks.size)
+    clients = min(pipeline, PRIMARIES)  # one per primary, each with its share of a batch
+    options = ["--cluster", "--threads", "1", "-P", str(-(-pipeline // clients))]
+    options += ["-c", str(clients)]
+    with redis_cluster(run.scratch / f"redis-cluster-{blocks.size}") as cluster:
+        url, port = cluster.url, cluster.ports[0]
+        return await redis_rows("redis-cluster", url, port, options, blocks, pipeline, run.rounds)
+
+
+async def redis_rows(
+    name: str,
+    url: str,
+    port: int,
+    options: Sequence[str],
+    blocks: Blocks,
+    pipeline: int,
+    rounds: int,
+) -> list[Row]:
+    """Rounds of redis-benchmark with ``options`` on ``port``, then of the tier on ``url``, in
+    batches of ``pipeline`` blocks."""
+    count = len(blocks.views)
+
+    async def benchmark_round() -> dict[str, float]:
+        rps = await asyncio.to_thread(redis_benchmark, port, blocks.size, count, options)
+        return {"SET": count / rps["SET"], "GET": count / rps["GET"]}
+
+    async with RedisTier(url, 4 * blocks.total_bytes, timeout_s=60) as tier:
+        steps = [benchmark_round, batch_round(tier, blocks, pipeline)]
+        seconds = (await run_rounds(rounds, steps)).rounds
+    limit = " ".join(["redis-benchmark", *options])
     pairs = [("put_many", "put", "SET"), ("get_many", "get", "GET")]
     return [
-        make_row("redis", f"{op} ({pipeline}/call)", blocks, seconds[mine], seconds[its], limit)
+        make_row(name, f"{op} ({pipeline}/call)", blocks, seconds[mine], seconds[its], limit)
         for op, mine, its in pairs
     ]
 
@@ -520,7 +566,12 @@ BENCHES: dict[str, Callable[[Blocks, Settings], Awaitable[list[Row]]]] = {
     "host": bench_host,
     "ssd": bench_ssd,
     "redis": bench_redis,
+    "redis-cluster": bench_redis_cluster,
 }
+TOOLS = {
+    "redis": ("redis-server", "redis-benchmark"),
+    "redis-cluster": ("redis-server", "redis-cli", "redis-benchmark"),
+}  # what a tier's bench runs
 
 
 async def bench_all(sizes: Sequence[int], tiers: Sequence[str], run: Settings) -> list[Row]:
@@ -609,8 +660,8 @@ def render(rows: Sequence[Row], about: dict[str, str], rounds: int) -> str:
     return "\n".join(
         [
             "machine: " + ", ".join(f"{key} {value}" for key, value in about.items()),
-            f"method: median of {rounds} timed rounds (host, redis: after 1 warm-up round);"
-            " GB/s = 1e9 bytes/s",
+            f"method: median of {rounds} timed rounds (host, redis, redis-cluster: after 1"
+            " warm-up round); GB/s = 1e9 bytes/s",
             "",
             line(HEADER),
             line(rule),
@@ -634,7 +685,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.tiers = args.tiers.split(",")
     if unknown := set(args.tiers) - set(BENCHES):
         parser.error(f"unknown tiers {sorted(unknown)}; known: {', '.join(BENCHES)}")
-    needed = ("redis-server", "redis-benchmark") if "redis" in args.tiers else ()
+    needed = dict.fromkeys(tool for tier in args.tiers for tool in TOOLS.get(tier, ()))
     if missing := [tool for tool in needed if shutil.which(tool) is None]:
         parser.error(f"{', '.join(missing)} not found; `make redis-server` installs them")
     return args

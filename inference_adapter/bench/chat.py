@@ -4,6 +4,7 @@
                        [--workloads sharegpt,multi_round_qa,long_document]
                        [--dataset synthetic|sharegpt]
                        [--sweep | --no-sweep] [--no-plots] [--dir DIR] [--seed N]
+                       [--nodes 1|2] [--shared-redis server|cluster|none]
 
 Builds a random model and the workloads of the preset, starts a daemon per store
 configuration, replays every workload in recompute and kvstore mode (turn by turn, in the
@@ -12,6 +13,14 @@ and writes them to ``DIR/chat.md``, the figures and per-turn records to ``DIR/ch
 (or ``--json``), and ``DIR/ttft_cdf.png`` and ``DIR/hit_rate_by_tier.png``. Exits 1, naming
 the turn, when a kvstore run generated other tokens than recompute. Entry points:
 ``main(argv)``, and ``add_bench_parser`` for the ``kvstore`` command.
+
+``--nodes 2`` adds, after each workload's two modes, the same workload on two nodes behind a
+load balancer without affinity (:mod:`.nodes`): two daemons with small host tiers of their
+own sharing one Redis tier (``--shared-redis``: a redis-server, a local Redis Cluster, or
+none as the control), two engines, every turn of a session on the other node than the turn
+before it; and one node on the same tiers. Their tokens are checked against recompute too;
+the tables show hit rates by tier and TTFT per session turn. It is off by default: it adds
+two kvstore replays per workload. Exits 2 when the Redis it needs is not installed.
 
 ``--dataset sharegpt`` replays real ShareGPT V3 conversations (:mod:`.sharegpt`, fetched by
 ``kvstore dataset fetch``) in place of the synthetic ShareGPT shape, tokenized by
@@ -41,6 +50,12 @@ import torch
 
 from kvstore.inference_adapter.bench import plots
 from kvstore.inference_adapter.bench.daemon import TierSetup
+from kvstore.inference_adapter.bench.nodes import (
+    NODE_NAMES,
+    SHARED,
+    NodesComparison,
+    run_nodes,
+)
 from kvstore.inference_adapter.bench.presets import (
     PRESETS,
     GridPoint,
@@ -56,6 +71,7 @@ from kvstore.inference_adapter.bench.report import (
     as_json,
     goals,
     markdown,
+    nodes_json,
     record_json,
     summarize,
 )
@@ -162,6 +178,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, help="parent of the SSD tier's scratch directory "
                         "(default: the user cache dir)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="model weights and workloads")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="2: also replay each workload on two nodes sharing a Redis tier, "
+                        "sessions bouncing between them (default %(default)s)")  # fmt: skip
+    parser.add_argument("--shared-redis", choices=SHARED, default="server",
+                        help="what the two nodes share: one redis-server, a local Redis "
+                        "Cluster, or none (default %(default)s)")  # fmt: skip
 
 
 def _workloads(text: str) -> list[str]:
@@ -173,7 +195,7 @@ def _workloads(text: str) -> list[str]:
 
 def run_bench(args: argparse.Namespace) -> int:
     """The bench; returns 0, 1 when a kvstore run generated other tokens, 2 when the
-    dataset or the tokenizer's model file is missing."""
+    dataset, the tokenizer's model file or the two nodes' Redis is missing."""
     preset: Preset = PRESETS[args.preset]
     builders = dict(BUILDERS)
     if args.dataset == "sharegpt":
@@ -186,6 +208,10 @@ def run_bench(args: argparse.Namespace) -> int:
         # Real token ids need the tokenizer's vocabulary; the model stays the random one.
         model = dataclasses.replace(preset.model, vocab=tokenizer.vocab_size)
         preset = dataclasses.replace(preset, model=model)
+    if missing := _missing_redis(args):
+        print(f"kvstore bench chat: --shared-redis {args.shared_redis} needs {missing}, "
+              "which is not installed (make redis-server)", file=sys.stderr)  # fmt: skip
+        return 2
     with _LoadWatch() as load:
         runs = _run_all(args, preset, builders)
     if runs is None:
@@ -204,6 +230,7 @@ class _Runs:
     sweep: list[ModeRun] = field(default_factory=list)
     grid: list[GridPoint] = field(default_factory=list)  # the sweep's points (real data)
     working_set_bytes: int = 0  # of the swept sharegpt workload
+    nodes: list[NodesComparison] = field(default_factory=list)  # --nodes 2, per workload
 
 
 def _run_all(
@@ -221,11 +248,14 @@ def _run_all(
             progress(
                 f"{workload.name}: {len(workload.turns)} turns, {workload.num_sessions} sessions"
             )
-            runs.main.extend(bench.compare(workload, main_setup(workload, preset)))
+            recompute, kvstore = bench.compare(workload, main_setup(workload, preset))
+            runs.main += [recompute, kvstore]
+            if args.nodes > 1:
+                runs.nodes.append(run_nodes(bench, workload, args.shared_redis, recompute, kvstore))
             if workload.name == "sharegpt" and _sweep(args, preset):
                 runs.working_set_bytes = unique_kv_bytes(workload, preset)
                 for setup in _sweep_setups(args, workload, preset, runs.grid):
-                    runs.sweep.append(bench.kvstore_only(workload, setup, runs.main[-2]))
+                    runs.sweep.append(bench.kvstore_only(workload, setup, recompute))
     except BenchmarkError as error:
         print(f"kvstore bench chat: FAILED: {error}", file=sys.stderr)
         return None
@@ -279,6 +309,14 @@ class _LoadWatch:
         )
 
 
+def _missing_redis(args: argparse.Namespace) -> str | None:
+    """The Redis program the two nodes need that is not installed, if any."""
+    needed = {"server": ["redis-server"], "cluster": ["redis-server", "redis-cli"]}
+    if args.nodes < 2:
+        return None
+    return next((p for p in needed.get(args.shared_redis, []) if not shutil.which(p)), None)
+
+
 def _sweep(args: argparse.Namespace, preset: Preset) -> bool:
     return preset.sweep if args.sweep is None else bool(args.sweep)
 
@@ -294,7 +332,7 @@ def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None
     if sweep and main_sharegpt is not None:
         sweep.append(main_sharegpt)
     found = goals(modes, main_sharegpt)
-    text = markdown(about, modes, sweep, found, grid)
+    text = markdown(about, modes, sweep, found, grid, runs.nodes)
     print(text)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -308,6 +346,7 @@ def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None
         "goals": [
             {"what": g.what, "value": g.value, "target": g.target, "met": g.verdict} for g in found
         ],
+        "nodes": [nodes_json(c) for c in runs.nodes],
         "turns": [
             {
                 "workload": run.workload,
@@ -315,8 +354,9 @@ def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None
                 "label": run.label,
                 "records": [record_json(r) for r in run.records],
             }
-            for run in [*main_runs, *sweep_runs]
-        ],
+            for run in [*main_runs, *sweep_runs, *(c.single for c in runs.nodes)]
+        ]
+        + [_nodes_turns(c) for c in runs.nodes],
     }
     json_path: Path = args.json or out / "chat.json"
     json_path.write_text(json.dumps(report, indent=1) + "\n")
@@ -326,6 +366,20 @@ def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None
         if sweep:
             written.append(plots.hit_rate_by_tier(sweep, out / "hit_rate_by_tier.png"))
     progress("wrote " + ", ".join(str(path) for path in written))
+
+
+def _nodes_turns(comparison: NodesComparison) -> dict[str, object]:
+    """The two nodes' turn records, each with the node that ran it."""
+    two = comparison.nodes
+    return {
+        "workload": two.workload,
+        "mode": "kvstore",
+        "label": f"{len(two.stores)} nodes, {comparison.setup.name}, {comparison.setup.policy}",
+        "records": [
+            {**record_json(r), "node": NODE_NAMES[n]}
+            for r, n in zip(two.records, two.nodes, strict=True)
+        ],
+    }
 
 
 def _realised(workload: Workload) -> dict[str, float]:

@@ -1,12 +1,14 @@
 """The daemons the bench talks to: a tier configuration, its TOML, and its processes.
 
 :class:`TierSetup` names one configuration of the store (host, SSD and Redis capacities,
-eviction policy, and how many queued sessions the chat server names in prefetch hints).
-:func:`running_store` starts ``python -m kvstore serve`` on it in a scratch directory (the
-SSD tier under the given parent, the socket in a short temporary directory, a private
-``redis-server`` on a free port when Redis is on), waits until it answers, and yields a
+the Redis tier's write policy, eviction policy, and how many queued sessions the chat server
+names in prefetch hints). :func:`running_store` starts ``python -m kvstore serve`` on it in
+a scratch directory (the SSD tier under the given parent, the socket in a short temporary
+directory, a private ``redis-server`` on a free port when Redis is on, unless it is given
+the URL of a Redis tier to share), waits until it answers, and yields a
 :class:`StoreProcess`; on exit it stops both and removes their files. ``peak_rss_bytes``
 reads the daemon's high-water resident set (arena pages it touched included).
+:func:`redis_server` is that private ``redis-server`` on its own, for daemons to share.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from pathlib import Path
 
 from kvstore.client import KVStoreClient, KVStoreError
 from kvstore.config import load_config
+from kvstore.inference_adapter.bench.ports import free_port
 
-__all__ = ["StoreProcess", "TierSetup", "running_store"]
+__all__ = ["StoreProcess", "TierSetup", "redis_server", "running_store"]
 
 MIB = 1 << 20
 START_TIMEOUT_S = 60.0
@@ -41,6 +44,7 @@ class TierSetup:
     host_bytes: int
     ssd_bytes: int | None = None
     redis_bytes: int | None = None
+    redis_policy: str = "write_back"  # write_through: every put reaches Redis at once
     policy: str = "lru"
     lookahead: int = 0  # queued sessions named in each prefetch hint (0: no hints)
     hint_ttl_s: float = 60.0  # how long a hint protects its blocks (scheduler-aware policy)
@@ -72,6 +76,7 @@ class TierSetup:
                 "url": redis_url or "redis://127.0.0.1:6379/0",
                 "capacity": self.redis_bytes or 64 * MIB,
                 "key_prefix": "kvstore-bench",
+                "write_policy": self.redis_policy,
             },
             "eviction": {"policy": self.policy, "hint_ttl": self.hint_ttl_s},
             "server": {"listen": [f"unix:{socket_path}"]},
@@ -95,8 +100,14 @@ class StoreProcess:
 
 
 @contextlib.contextmanager
-def running_store(setup: TierSetup, scratch_parent: Path | None = None) -> Iterator[StoreProcess]:
+def running_store(
+    setup: TierSetup, scratch_parent: Path | None = None, *, redis_url: str | None = None
+) -> Iterator[StoreProcess]:
     """A daemon on ``setup`` in a fresh scratch directory; see the module docstring.
+
+    ``redis_url``, when ``setup.redis_bytes`` is set, is a Redis the daemon shares with
+    others (its tier's capacity is still ``redis_bytes``); without it the daemon gets a
+    private ``redis-server``.
 
     Raises:
         RuntimeError: The daemon or redis-server did not start (the log tail is included).
@@ -107,9 +118,10 @@ def running_store(setup: TierSetup, scratch_parent: Path | None = None) -> Itera
         cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
         sockets = Path(tempfile.mkdtemp(prefix="kvs-"))  # a socket path must stay short
         cleanup.callback(shutil.rmtree, sockets, ignore_errors=True)
-        redis_url = None
-        if setup.redis_bytes:
-            redis_url = cleanup.enter_context(_redis_server(scratch, setup.redis_bytes))
+        if not setup.redis_bytes:
+            redis_url = None
+        elif redis_url is None:
+            redis_url = cleanup.enter_context(redis_server(scratch, setup.redis_bytes))
         config = scratch / "kvstore.toml"
         socket_path = sockets / "kvstore.sock"
         config.write_text(_toml(setup.sections(scratch, socket_path, redis_url)))
@@ -122,16 +134,15 @@ def running_store(setup: TierSetup, scratch_parent: Path | None = None) -> Itera
 
 
 @contextlib.contextmanager
-def _redis_server(scratch: Path, maxmemory: int) -> Iterator[str]:
-    """A private redis-server without persistence; yields its URL."""
+def redis_server(scratch: Path, maxmemory: int) -> Iterator[str]:
+    """A private redis-server without persistence (its files under ``scratch/redis``);
+    yields its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (make redis-server)")
     workdir = scratch / "redis"
     workdir.mkdir()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # Room for the values plus Redis's own bookkeeping; the tier enforces its capacity.
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
     args += ["no", "--maxmemory", str(2 * maxmemory + 64 * MIB), "--dir", str(workdir)]

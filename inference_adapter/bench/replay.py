@@ -1,9 +1,10 @@
 """Replaying a workload through a chat server, one turn at a time, in arrival order.
 
 A :class:`Replayer` owns one mode's :class:`~kvstore.inference_adapter.sessions.ChatServer`
-(recompute: no connector; kvstore: a ``StoreConnector``). ``run(i)`` keeps the server's queue
-filled ``lookahead`` turns ahead (so the prefetch hints name the turns that come next), runs
-turn ``i`` and returns a :class:`TurnRecord`:
+(recompute: no connector; kvstore: a ``StoreConnector``); on several nodes, the replayer of
+each shares the sessions and the ideal store with the others. ``run(i)`` keeps the server's
+queue filled ``lookahead`` turns ahead (so the prefetch hints name the turns that come
+next), runs turn ``i`` and returns a :class:`TurnRecord`:
 
 1. the turn runs (``ChatServer.run_next``): TTFT is the engine's admission-to-first-token
    time; queueing before admission is not part of it;
@@ -29,7 +30,7 @@ from kvstore.inference_adapter.bench.workloads import Workload
 from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import KVConnector, Request, SamplingParams
-from kvstore.inference_adapter.sessions import ChatServer
+from kvstore.inference_adapter.sessions import ChatServer, ChatSession
 
 __all__ = [
     "BenchmarkError",
@@ -143,6 +144,9 @@ class Replayer:
         generated: Tokens the model samples per turn.
         connector: The store connector; None replays the recompute mode.
         lookahead: Queued turns named in each prefetch hint (kvstore mode).
+        sessions: The sessions (their contexts), shared with the replayers of other nodes
+            that run the same sessions' other turns; None: this replayer's own.
+        ideal: The ideal store, likewise shared between nodes; None: this replayer's own.
     """
 
     def __init__(
@@ -154,6 +158,8 @@ class Replayer:
         generated: int,
         connector: StoreConnector | None = None,
         lookahead: int = 0,
+        sessions: dict[str, ChatSession] | None = None,
+        ideal: IdealStore | None = None,
     ) -> None:
         self.turns = workload.turns
         self.connector = connector
@@ -162,11 +168,13 @@ class Replayer:
         self.server = ChatServer(
             engine, connector=connector, sampling=sampling, lookahead=self.lookahead
         )
+        if sessions is not None:
+            self.server.sessions = sessions
         self.timer: TimedConnector | None = None
         if connector is not None:
             self.timer = TimedConnector(connector)
             engine.connector = self.timer
-        self.ideal = IdealStore(namespace, engine.page_tokens)
+        self.ideal = ideal if ideal is not None else IdealStore(namespace, engine.page_tokens)
         self._submitted = 0
 
     def run(self, i: int) -> TurnRecord:

@@ -17,6 +17,12 @@ Definitions (measured turns only: warm-up turns are left out):
 - long turns: turns with at least ``LONG_HISTORY`` reusable tokens (turns 2 and later with
   that much history, or later questions over the shared document); the goal is their
   kvstore TTFT p50 at most ``TTFT_GOAL`` x recompute's.
+- two nodes (``--nodes 2``, :mod:`.nodes`): per workload, recompute, the main kvstore run,
+  one node on the nodes' tiers and the two nodes (all their turns, then each node's).
+  "from turn 2" is the hit rate over the sessions' turns 2 and later (each follows a turn
+  that ran on the other node); "Redis reads" are the blocks the daemons' Redis tiers
+  served (their hits); the hit rate of both nodes counts against one unbounded store. Per
+  turn: TTFT p50 / p90 and hit rate of each run over the sessions' N-th turns.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ from dataclasses import asdict, dataclass
 
 import numpy
 
+from kvstore.inference_adapter.bench.nodes import NODE_NAMES, SHARED, NodesComparison
 from kvstore.inference_adapter.bench.presets import GridPoint
 from kvstore.inference_adapter.bench.replay import TurnRecord
-from kvstore.inference_adapter.bench.runner import ModeRun
+from kvstore.inference_adapter.bench.runner import RECOMPUTE, ModeRun, StoreReport
 
-__all__ = ["Goal", "Grid", "Summary", "goals", "markdown", "summarize"]
+__all__ = ["Goal", "Grid", "Summary", "goals", "markdown", "nodes_json", "summarize"]
 
 LONG_HISTORY = 2048
 TTFT_GOAL = 0.2
@@ -151,7 +158,7 @@ def summarize(run: ModeRun) -> Summary:
         reusable_tokens=reusable,
         loaded_tokens=loaded,
         tier_tokens=tiers,
-        hit_rate=(loaded / reusable if reusable else 0.0) if store else None,
+        hit_rate=(loaded / reusable if reusable else 0.0) if run.mode != RECOMPUTE else None,
         prefill_saved=loaded / max(prompt, 1),
         lookup_ms_p50=percentile([r.lookup_s * 1e3 for r in records], 50),
         load_wait_ms_p50=percentile([r.load_wait_s * 1e3 for r in records], 50),
@@ -360,12 +367,125 @@ def goal_rows(found: Sequence[Goal]) -> list[str]:
     return table(header, rows)
 
 
+def from_turn(run: ModeRun, first: int) -> ModeRun:
+    """``run`` over its sessions' turns ``first`` and later."""
+    return ModeRun(run.workload, run.mode, [r for r in run.records if r.index >= first], run.store)
+
+
+def of_turn(run: ModeRun, index: int) -> ModeRun:
+    """``run`` over its sessions' ``index``-th turns."""
+    return ModeRun(run.workload, run.mode, [r for r in run.records if r.index == index], run.store)
+
+
+def redis_reads(stores: Sequence[StoreReport]) -> int | None:
+    """Blocks the daemons' Redis tiers served; None when none has one."""
+    hits = [t.hits for store in stores for t in store.stats.tiers if t.name == "redis"]
+    return sum(hits) if hits else None
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _hit(summary: Summary) -> str:
+    """The hit rate, or "-" where there was nothing to hit (no turns, nothing reusable)."""
+    return _pct(summary.hit_rate if summary.reusable_tokens else None)
+
+
+def nodes_rows(comparisons: Sequence[NodesComparison]) -> list[str]:
+    header = ("workload", "run", "turns", "TTFT p50 ms", "p90 ms", "hit rate",
+              "from turn 2", "host tokens", "SSD tokens", "Redis tokens", "Redis reads",
+              "failed loads")  # fmt: skip
+    rows = []
+    for c in comparisons:
+        for label, run, stores in c.runs():
+            s, later = summarize(run), summarize(from_turn(run, 2))
+            tiers = [s.tier_tokens[tier] if stores else None for tier in TIERS]
+            failed = sum(store.connector.failed_loads for store in stores) if stores else None
+            rows.append((c.workload, label, str(s.turns), *(_ms(v) for v in s.ttft_ms[:2]),
+                         _hit(s), _hit(later),
+                         *(_count(n) for n in tiers), _count(redis_reads(stores)),
+                         _count(failed)))  # fmt: skip
+    return table(header, rows)
+
+
+def node_turn_rows(comparisons: Sequence[NodesComparison]) -> list[str]:
+    """Per session turn N: TTFT p50 / p90 and hit rate of each run, and where the two
+    nodes' loads came from."""
+    names = ("recompute", "main", "1 node", "2 nodes")
+    header = ["workload", "turn", "turns", *(f"{name} p50 / p90 ms" for name in names)]
+    header += [*(f"{name} hit rate" for name in names[1:]), "2 nodes host tokens"]
+    header += ["2 nodes Redis tokens"]
+    rows = []
+    for c in comparisons:
+        runs = [run for _, run, _ in c.runs()[: len(names)]]
+        for index in sorted({r.index for r in c.recompute.records if not r.warmup}):
+            s = [summarize(of_turn(run, index)) for run in runs]
+            rows.append([c.workload, str(index), str(s[0].turns),
+                         *(f"{_ms(x.ttft_ms[0])} / {_ms(x.ttft_ms[1])}" for x in s),
+                         *(_hit(x) for x in s[1:]), str(s[-1].tier_tokens["host"]),
+                         str(s[-1].tier_tokens["redis"])])  # fmt: skip
+    return table(header, rows)
+
+
+def nodes_title(comparisons: Sequence[NodesComparison]) -> str:
+    c = comparisons[0]
+    return (
+        f"Two nodes (turn N of the k-th session on node (k + N) % 2; each node a daemon "
+        f"with {c.setup.describe()}, {c.setup.policy}, sharing {SHARED[c.shared]}; "
+        f"main: the kvstore run above, one node on {c.main.label}; 1 node: one node on "
+        f"the nodes' tiers):"
+    )
+
+
+def nodes_json(c: NodesComparison) -> dict[str, object]:
+    """One workload's two-node comparison: every run's summary, all turns and from turn 2,
+    and per session turn."""
+
+    def figures(run: ModeRun) -> dict[str, object] | None:
+        s = summarize(run)
+        return as_json(s) if s.turns else None
+
+    def brief(run: ModeRun) -> dict[str, object] | None:
+        s = summarize(run)
+        rate = s.hit_rate if s.reusable_tokens else None
+        fields = {"turns": s.turns, "ttft_ms": s.ttft_ms[:2], "hit_rate": rate}
+        return {**fields, "tier_tokens": s.tier_tokens} if s.turns else None
+
+    runs = c.runs()
+    indices = sorted({r.index for r in c.recompute.records if not r.warmup})
+    return {
+        "workload": c.workload,
+        "shared": c.shared,
+        "node_tiers": c.setup.describe(),
+        "node_policy": c.setup.policy,
+        "rule": "turn N of the k-th session to arrive (k from 0) on node (k + N) % 2",
+        "turns_per_node": {
+            NODE_NAMES[n]: c.nodes.nodes.count(n) for n in range(len(c.nodes.stores))
+        },
+        "runs": [
+            {
+                "run": label,
+                "all": figures(run),
+                "from_turn_2": figures(from_turn(run, 2)),
+                "redis_reads": redis_reads(stores),
+            }
+            for label, run, stores in runs
+        ],
+        "per_turn": [
+            {"turn": index, **{label: brief(of_turn(run, index)) for label, run, _ in runs}}
+            for index in indices
+        ],
+    }
+
+
 def markdown(
     about: dict[str, str],
     modes: Sequence[Summary],
     sweep: Sequence[Summary],
     found: Sequence[Goal],
     grid: Grid | None = None,
+    nodes: Sequence[NodesComparison] = (),
 ) -> str:
     """Every table of a run, with the machine and model lines first."""
     recompute = {s.workload: s for s in modes if s.mode == "recompute"}
@@ -380,6 +500,10 @@ def markdown(
         lines += sweep_rows(sweep, recompute.get("sharegpt"))
     if grid is not None:
         lines += ["", grid_title(grid), "", *grid_rows(grid)]
+    if nodes:
+        lines += ["", nodes_title(nodes), "", *nodes_rows(nodes)]
+        lines += ["", "Two nodes, per session turn N (measured turns):", ""]
+        lines += node_turn_rows(nodes)
     lines += ["", "Where the kvstore TTFT goes (engine thread, p50 of each part):", ""]
     lines += profile_rows([s for s in [*modes, *sweep] if s.mode != "recompute"])
     lines += ["", "Goals:", "", *goal_rows(found)]

@@ -7,6 +7,16 @@ turn in both modes before moving to the next, alternating which goes first, so t
 in the machine's load falls on both alike; every turn's generated tokens must match.
 ``kvstore_only(workload, setup, reference)`` replays the kvstore mode alone on another
 configuration and checks its tokens against the reference recompute run.
+
+``across_nodes(workload, setup, nodes, reference)`` replays the kvstore mode on two nodes:
+two daemons on ``setup`` (each its own process, socket and scratch directory; a
+``redis_url`` makes them share that Redis tier) and two engines on the same model (the
+store engine and a second one, separate KV pools as two machines have), each with a
+connector to its own daemon. Turn ``i`` runs on node ``nodes[i]``; the nodes share the
+sessions' contexts (a client re-sends its history to whichever node it reaches), so a
+turn's KV can come only from its own node's tiers or from the shared one. A
+:class:`NodesRun` holds the records in arrival order, the node of each and each daemon's
+:class:`StoreReport`.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +34,7 @@ from kvstore.client import KVStoreClient, Stats
 from kvstore.inference_adapter.bench.daemon import TierSetup, running_store
 from kvstore.inference_adapter.bench.presets import Preset, build_model
 from kvstore.inference_adapter.bench.replay import (
+    IdealStore,
     Replayer,
     TurnRecord,
     check_same_outputs,
@@ -32,8 +43,9 @@ from kvstore.inference_adapter.bench.workloads import Workload
 from kvstore.inference_adapter.connector import ConnectorStats, StoreConnector, namespace_for
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
+from kvstore.inference_adapter.sessions import ChatSession
 
-__all__ = ["ChatBench", "ModeRun", "StoreReport"]
+__all__ = ["ChatBench", "ModeRun", "NodesRun", "StoreReport"]
 
 MODEL_NAME = "kvstore-bench-chat"
 RECOMPUTE, KVSTORE = "recompute", "kvstore"
@@ -67,8 +79,28 @@ class ModeRun:
         return f"{setup.name}, {setup.policy}"
 
 
+@dataclass(frozen=True, slots=True)
+class NodesRun:
+    """The kvstore mode on several nodes: every turn's record in arrival order, the node
+    that ran it, and each node's store."""
+
+    workload: str
+    records: list[TurnRecord]
+    nodes: list[int]
+    stores: list[StoreReport]
+
+    def node(self, node: int) -> ModeRun:
+        """The turns ``node`` ran, with its daemon's report."""
+        records = [r for r, n in zip(self.records, self.nodes, strict=True) if n == node]
+        return ModeRun(self.workload, KVSTORE, records, self.stores[node])
+
+    def all_nodes(self) -> ModeRun:
+        """Every turn, without a store report (there is one per node)."""
+        return ModeRun(self.workload, KVSTORE, self.records)
+
+
 class ChatBench:
-    """One model, two engines; see the module docstring."""
+    """One model, two engines (three on several nodes); see the module docstring."""
 
     def __init__(self, preset: Preset, *, seed: int, scratch: Path | None = None) -> None:
         torch.set_grad_enabled(False)
@@ -76,9 +108,9 @@ class ChatBench:
         self.scratch = scratch
         size = preset.model
         self.model = build_model(size, seed)
-        pages = size.max_positions // size.block_tokens + 2
-        self.recompute_engine = Engine(self.model, num_pages=pages, page_tokens=size.block_tokens)
-        self.store_engine = Engine(self.model, num_pages=pages, page_tokens=size.block_tokens)
+        self.recompute_engine = self._new_engine()
+        self.store_engine = self._new_engine()
+        self._second_engine: Engine | None = None  # node B's, made when a run needs it
         self.namespace = namespace_for(
             self.model.config, model_name=MODEL_NAME, block_tokens=size.block_tokens
         )
@@ -104,14 +136,79 @@ class ChatBench:
             ModeRun(workload.name, KVSTORE, runs[kvstore], store),
         )
 
-    def kvstore_only(self, workload: Workload, setup: TierSetup, reference: ModeRun) -> ModeRun:
-        """The kvstore mode alone on ``setup``, checked against ``reference``'s tokens."""
-        with self._store(workload, setup) as (connector, finish):
+    def kvstore_only(
+        self,
+        workload: Workload,
+        setup: TierSetup,
+        reference: ModeRun,
+        *,
+        redis_url: str | None = None,
+    ) -> ModeRun:
+        """The kvstore mode alone on ``setup`` (its Redis tier on ``redis_url`` when given),
+        checked against ``reference``'s tokens."""
+        with self._store(workload, setup, self.store_engine, redis_url) as (connector, finish):
             replayer = self._replayer(workload, connector, setup.lookahead)
             records = [replayer.run(i) for i in range(len(workload.turns))]
             check_same_outputs(f"kvstore ({setup.name})", records, reference.records)
             store = finish()
         return ModeRun(workload.name, KVSTORE, records, store)
+
+    def across_nodes(
+        self,
+        workload: Workload,
+        setup: TierSetup,
+        nodes: Sequence[int],
+        reference: ModeRun,
+        *,
+        redis_url: str | None = None,
+    ) -> NodesRun:
+        """The kvstore mode on two nodes, turn ``i`` on node ``nodes[i]`` (0 or 1), checked
+        against ``reference``'s tokens; see the module docstring.
+
+        Raises:
+            BenchmarkError: A node generated other tokens than recompute, or lost a save.
+        """
+        engines = (self.store_engine, self.second_engine())
+        sessions: dict[str, ChatSession] = {}
+        ideal = IdealStore(self.namespace, self.store_engine.page_tokens)
+        with contextlib.ExitStack() as stack:
+            stores = [
+                stack.enter_context(self._store(workload, setup, engine, redis_url))
+                for engine in engines
+            ]
+            replayers = [
+                Replayer(
+                    _only(workload, nodes, node),
+                    engine,
+                    namespace=self.namespace,
+                    generated=self.preset.generated,
+                    connector=connector,
+                    sessions=sessions,
+                    ideal=ideal,
+                )
+                for node, (engine, (connector, _)) in enumerate(zip(engines, stores, strict=True))
+            ]
+            ran = [0] * len(engines)  # each node's turns so far
+            records = []
+            for node in nodes:
+                records.append(replayers[node].run(ran[node]))
+                ran[node] += 1
+            check_same_outputs(f"kvstore on {len(engines)} nodes", records, reference.records)
+            reports = [finish() for _, finish in stores]
+        return NodesRun(workload.name, records, list(nodes), reports)
+
+    def second_engine(self) -> Engine:
+        """Node B's engine: the same model, a KV pool of its own (warmed up when made)."""
+        if self._second_engine is None:
+            self._second_engine = self._new_engine()
+            self._warm_up(self._second_engine)
+        return self._second_engine
+
+    def _new_engine(self) -> Engine:
+        """An engine on the model whose pool holds one full context."""
+        size = self.preset.model
+        pages = size.max_positions // size.block_tokens + 2
+        return Engine(self.model, num_pages=pages, page_tokens=size.block_tokens)
 
     def _replayer(
         self, workload: Workload, connector: StoreConnector | None = None, lookahead: int = 0
@@ -128,13 +225,18 @@ class ChatBench:
 
     @contextlib.contextmanager
     def _store(
-        self, workload: Workload, setup: TierSetup
+        self,
+        workload: Workload,
+        setup: TierSetup,
+        engine: Engine | None = None,
+        redis_url: str | None = None,
     ) -> Iterator[tuple[StoreConnector, Callable[[], StoreReport]]]:
-        """A daemon on ``setup``, a client and a connector bound to the store engine."""
+        """A daemon on ``setup``, a client and a connector bound to ``engine`` (the store
+        engine when None)."""
         progress(f"{workload.name}: daemon on {setup.describe()}, policy {setup.policy}")
-        engine = self.store_engine
+        engine = engine or self.store_engine
         with (
-            running_store(setup, self.scratch) as daemon,
+            running_store(setup, self.scratch, redis_url=redis_url) as daemon,
             KVStoreClient(daemon.address, retries=1, timeout=10.0) as client,
         ):
             connector = StoreConnector(
@@ -159,12 +261,18 @@ class ChatBench:
             finally:
                 connector.close()
 
-    def _warm_up(self) -> None:
-        """One short request per engine, before any connector: first-call costs are paid
-        outside the timed turns."""
+    def _warm_up(self, *engines: Engine) -> None:
+        """One short request per engine (the first two when none are named), before any
+        connector: first-call costs are paid outside the timed turns."""
         prompt = list(range(1, 2 * self.preset.model.block_tokens))
-        for engine in (self.recompute_engine, self.store_engine):
+        for engine in engines or (self.recompute_engine, self.store_engine):
             engine.generate([Request("warm-up", prompt, SamplingParams(max_tokens=4))])
+
+
+def _only(workload: Workload, nodes: Sequence[int], node: int) -> Workload:
+    """The turns of ``workload`` that run on ``node``, in arrival order."""
+    turns = tuple(t for t, n in zip(workload.turns, nodes, strict=True) if n == node)
+    return Workload(workload.name, turns, workload.params)
 
 
 def progress(message: str) -> None:
