@@ -37,12 +37,15 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 
 vllm-venv: $(VLLM_STAMP)
 
-# The tests start their own redis-server processes on free ports; they only need the binary.
+# The tests start their own redis-server processes on free ports (clusters with redis-cli,
+# TLS ones with certificates openssl makes); they only need the binaries.
 redis-server:
-	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null || { \
+	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null && \
+		command -v redis-cli >/dev/null && command -v openssl >/dev/null || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-tools; }
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-tools \
+			openssl; }
 
 # SmolLM2-135M-Instruct (GGUF, ~94 MiB) in the user cache, for the real-model tests.
 model: install
