@@ -14,8 +14,11 @@ should). Where there is none:
 
 After a failure (at start or later) the link answers ``DaemonDown`` and tries again in the
 background every ``retry_s`` until the daemon answers, so it is connected again soon after
-the daemon is back, whether or not calls come meanwhile. A daemon going away is logged
-once, and so is its return.
+the daemon is back, whether or not calls come meanwhile. Links to one address in one
+process share the news: when one connects, the others that are down try at once instead of
+waiting out their ``retry_s`` (vLLM's engine in one process: the scheduler's lookups hit
+again as soon as the worker's first save went through). A daemon going away is logged once,
+and so is its return.
 
 ``warm()`` connects in the caller's thread, for the start of the process.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -34,6 +38,11 @@ __all__ = ["DaemonDown", "Link"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Every open link of this process (see the module docstring: a link that connects wakes the
+# others to its address).
+_LINKS: weakref.WeakSet[Link] = weakref.WeakSet()
+_LINKS_LOCK = threading.Lock()
 
 
 class DaemonDown(ConnectionError):
@@ -83,6 +92,8 @@ class Link:
         self._closed = False
         self._lock = threading.Lock()
         self.failures = 0
+        with _LINKS_LOCK:
+            _LINKS.add(self)
 
     def call(self, fn: Callable[[KVStoreClient], T]) -> T:
         """``fn(client)``; ``DaemonDown`` at once when there is no connection now.
@@ -106,6 +117,8 @@ class Link:
         return self._connect() is not None
 
     def close(self) -> None:
+        with _LINKS_LOCK:
+            _LINKS.discard(self)
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
@@ -123,11 +136,8 @@ class Link:
             if self._closed:
                 raise DaemonDown(f"kvstore daemon at {self.address}: the link is closed")
             if not self.wait_for_connect:
-                if self._connecting is None and time.monotonic() >= self._down_until:
-                    self._connecting = threading.Thread(
-                        target=self._connect, name=f"kvstore-{self.role}-connect", daemon=True
-                    )
-                    self._connecting.start()
+                if time.monotonic() >= self._down_until:
+                    self._start_connecting()
                 connecting = self._connecting
         if not self.wait_for_connect:
             if connecting is not None:
@@ -146,25 +156,27 @@ class Link:
         with self._connect_lock:
             with self._lock:
                 if self._client is not None or self._closed:
-                    self._connecting = None
+                    self._done_connecting()
                     return self._client
-            client = KVStoreClient(
-                self.address,
-                timeout=self.connect_timeout,
-                **self._options,  # type: ignore[arg-type]
-            )
-            try:
+            client: KVStoreClient | None = None
+            try:  # even the client's own thread may fail to start (a process at its limit)
+                client = KVStoreClient(
+                    self.address,
+                    timeout=self.connect_timeout,
+                    **self._options,  # type: ignore[arg-type]
+                )
                 client.connect()
                 client.register(self.namespace)
                 client.timeout = self.call_timeout
             except Exception as error:
-                client.close()
+                if client is not None:
+                    client.close()
                 with self._lock:
-                    self._connecting = None
+                    self._done_connecting()
                     self._mark_down(error)
                 return None
             with self._lock:
-                self._connecting = None
+                self._done_connecting()
                 if self._closed:
                     client.close()
                     return None
@@ -172,7 +184,37 @@ class Link:
                     log.warning("kvstore %s: daemon at %s answers again", self.role, self.address)
                 self._was_down = False
                 self._client = client
+            self._wake_others()
             return client
+
+    def _wake_others(self) -> None:
+        """The daemon answered this link: the other links to its address that are down
+        connect now, in the background (a call meanwhile waits for that connect)."""
+        with _LINKS_LOCK:
+            others = [link for link in _LINKS if link is not self and link.address == self.address]
+        for link in others:
+            link._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._client is not None or self._closed:
+                return
+            self._down_until = 0.0
+            self._start_connecting()
+
+    def _start_connecting(self) -> None:
+        """Under the lock: a background connect, unless one is on its way."""
+        if self._connecting is None:
+            self._connecting = threading.Thread(
+                target=self._connect, name=f"kvstore-{self.role}-connect", daemon=True
+            )
+            self._connecting.start()
+
+    def _done_connecting(self) -> None:
+        """Under the lock: this thread's background connect (if it is one) is over; one
+        started meanwhile for another thread stays registered, so calls wait for it."""
+        if self._connecting is threading.current_thread():
+            self._connecting = None
 
     def _failed(self, client: KVStoreClient, error: Exception) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ Keys:
 - ``load_timeout_s`` (10): how long a step waits for one layer before vLLM recomputes.
 - ``save_queue_blocks`` (256): most blocks waiting to be put; more are dropped and counted.
 - ``retry_s`` (2): after a failure, how long the connector answers "miss" before it tries
-  the daemon again.
+  the daemon again (sooner when another connector side in this process reached it).
 - ``use_shm`` (true): map the daemon's arena when it runs on this host.
 - ``pin_arena`` (false): on CUDA, register the mapped arena as pinned memory so loads are
   DMA copies; only for a daemon serving one tenant (see docs/ARCHITECTURE.md, departure 10).

@@ -102,3 +102,30 @@ def test_a_slow_handshake_is_not_cut_by_the_call_deadline(tmp_path: Path) -> Non
             assert link.call(lambda client: client.timeout) == 1e-4  # calls get the short one
         finally:
             link.close()
+
+
+def test_a_link_that_connects_wakes_the_others_to_its_daemon(tmp_path: Path) -> None:
+    """vLLM's engine in one process: the worker's first save after an outage connects in its
+    call; the scheduler, held off for ``retry_s`` (a minute here), looks up again at once
+    instead of answering "miss" for the rest of its minute. A link to another daemon stays
+    held off."""
+    daemon, other = Daemon(tmp_path / "a"), Daemon(tmp_path / "b")
+    scheduler = Link(daemon.address, NAMESPACE, retry_s=60.0, role="scheduler", call_timeout=5.0)
+    elsewhere = Link(other.address, NAMESPACE, retry_s=60.0, role="scheduler", call_timeout=5.0)
+    worker = Link(daemon.address, NAMESPACE, retry_s=60.0, role="worker", wait_for_connect=True)
+    try:
+        assert not scheduler.warm() and not elsewhere.warm() and not worker.warm()
+        daemon.start()
+        other.start()
+        with pytest.raises(DaemonDown):  # held off: no attempt for a minute
+            scheduler.call(lookup)
+        assert worker.call(lookup) == 0  # connects in the call, and tells the scheduler
+        assert scheduler.call(lookup) == 0  # waits for the connect it was woken into
+        with pytest.raises(DaemonDown):
+            elsewhere.call(lookup)
+        assert scheduler.failures == 1 and elsewhere.failures == 1
+    finally:
+        for link in (scheduler, elsewhere, worker):
+            link.close()
+        daemon.close()
+        other.close()
