@@ -254,15 +254,27 @@ def _drain_saves(timeout: float = 30.0) -> None:
 
 
 def _connector_stats(llm: Any) -> dict[str, int]:
-    """The worker connector's counters (in-process engine only), for the tests."""
+    """The connector's counters (in-process engine only), for the tests: the worker's, and
+    the scheduler's failed lookups."""
     try:
         worker = _worker_side()
         if worker is None:
             return {}
         worker.wait_for_saves(30.0)
-        return dict(worker.counts + worker.save_counts())
+        counts = dict(worker.counts + worker.save_counts())
+        scheduler = _scheduler_side(llm)
+        if scheduler is not None and scheduler.lookup_errors:
+            counts["lookup_errors"] = scheduler.lookup_errors
+        return counts
     except Exception:  # stats are a report, never a failure
         return {}
+
+
+def _scheduler_side(llm: Any) -> Any:
+    """The scheduler's connector side when the engine core runs in this process."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    return getattr(connector, "_scheduler", None)
 
 
 if __name__ == "__main__":
