@@ -9,11 +9,14 @@ is implemented twice. ``view`` and ``view_tensors`` become ordinary context mana
         payloads = client.get(namespace, keys)
 
 A method must not be called from the client's own loop thread (it would wait on itself).
+``close()`` may come from any thread while others are in calls: those calls end at once with
+``NotConnectedError`` (their work on the loop is cancelled), never waiting on a stopped loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import sys
@@ -23,6 +26,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvstore.client.client import AsyncKVStoreClient
+from kvstore.client.errors import NotConnectedError
 from kvstore.client.wire import ServerInfo
 
 __all__ = ["KVStoreClient"]
@@ -96,34 +100,58 @@ class KVStoreClient:
             target=self._loop.run_forever, name=f"kvstore-client {address}", daemon=True
         )
         self._thread.start()
+        self._calls_lock = threading.Lock()
+        self._calls: set[concurrent.futures.Future[Any]] = set()  # in flight, any thread
+        self._closing = False
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a KVStoreClient method was called from its own event loop")
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("the KVStoreClient is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._calls_lock:
+            if self._closing:
+                coro.close()
+                raise NotConnectedError(f"the KVStoreClient of {self.address} is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._calls.add(future)
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            if self._closing:
+                raise NotConnectedError(
+                    f"the KVStoreClient of {self.address} was closed during the call"
+                ) from None
+            raise
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt while waiting: stop the call too
             raise
+        finally:
+            with self._calls_lock:
+                self._calls.discard(future)
 
     def close(self) -> None:
-        """Closes the async client, then stops and closes the loop; again: no-op."""
-        if self._loop.is_closed():
-            return
+        """Ends the calls other threads have in flight (``NotConnectedError``), closes the
+        async client, then stops and closes the loop; again: no-op."""
+        with self._calls_lock:
+            if self._closing:
+                return
+            self._closing = True
+            in_flight = list(self._calls)
+        for future in in_flight:
+            future.cancel()  # its caller returns at once; its task is cancelled on the loop
         try:
-            self._run(self._client.aclose())
+            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
 
     def __enter__(self) -> Self:
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:
+            self.close()  # the loop thread would outlive a client no one can close
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -348,8 +348,8 @@ def test_a_new_client_connects_at_once_after_the_daemon_came_back(tmp_path: Path
     daemon = Daemon(tmp_path)
     try:
         for _ in range(3):  # refused attempts push the shared backoff up
-            with pytest.raises(KVStoreError):
-                KVStoreClient(daemon.address, retries=0, timeout=1.0).connect()
+            with pytest.raises(KVStoreError), KVStoreClient(daemon.address, retries=0, timeout=1.0):
+                pass
         daemon.start()
         with KVStoreClient(daemon.address, retries=0, timeout=5.0) as client:
             assert client.health()

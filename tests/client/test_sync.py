@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +15,10 @@ import torch
 from kvstore.client import (
     AsyncKVStoreClient,
     KVStoreClient,
+    KVStoreError,
     LookupResult,
     Namespace,
+    NotConnectedError,
     WriteStatus,
     block_keys,
 )
@@ -87,8 +91,54 @@ def test_close_is_idempotent_and_ends_the_thread(daemon: Daemon, namespace: Name
     client.close()
 
     assert not thread.is_alive()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(NotConnectedError, match="closed"):
         client.stats()
+
+
+def test_a_with_block_that_cannot_connect_leaves_no_thread(tmp_path: Path) -> None:
+    """``with KVStoreClient(...)`` against a daemon that is not there raises, and the
+    client's loop thread ends with it: no one holds a client to close."""
+    address = Daemon(tmp_path).address  # never started
+    before = set(threading.enumerate())
+    for _ in range(3):
+        with pytest.raises(KVStoreError), KVStoreClient(address, retries=0, timeout=1.0):
+            pass
+    left = [t.name for t in set(threading.enumerate()) - before]
+    assert [name for name in left if name.startswith("kvstore-client")] == []
+
+
+def test_close_from_another_thread_ends_the_calls_in_flight(
+    tmp_path: Path, namespace: Namespace
+) -> None:
+    """Two threads share a client (vLLM's load and save threads share one); one closes it
+    while the other's call sleeps between retries. That call ends at once, as a
+    NotConnectedError; it used to wait forever on the stopped loop."""
+    daemon = Daemon(tmp_path)
+    daemon.start()
+    client = KVStoreClient(daemon.address, retries=50, timeout=1.0)
+    client.connect()
+    daemon.kill()  # the lookup below retries, sleeping up to 2 s between attempts
+    outcome: list[BaseException] = []
+
+    def look_up() -> None:
+        try:
+            client.lookup(namespace, keys_and_blocks(namespace, 2, seed=9)[0])
+        except BaseException as error:
+            outcome.append(error)
+
+    caller = threading.Thread(target=look_up, daemon=True)
+    caller.start()
+    try:
+        time.sleep(1.0)  # several attempts failed: the call is in a backoff sleep now
+        assert caller.is_alive() and not outcome
+        client.close()
+        caller.join(5.0)
+        assert not caller.is_alive(), "the call waits on a stopped loop"
+        assert len(outcome) == 1 and isinstance(outcome[0], NotConnectedError), outcome
+        assert "closed during the call" in str(outcome[0])
+    finally:
+        client.close()
+        daemon.close()
 
 
 def test_a_method_called_on_the_loop_thread_is_refused(daemon: Daemon) -> None:

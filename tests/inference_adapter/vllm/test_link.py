@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
+import sys
+import threading
 import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from kvstore.client import KVStoreClient, ModelFingerprint, Namespace
+from kvstore.client import KVStoreClient, KVStoreError, ModelFingerprint, Namespace, block_keys
+from kvstore.client.connection import StaleArenaError
 from kvstore.inference_adapter.vllm.link import DaemonDown, Link
 from tests.support.daemon import Daemon, running_daemon
 
 NAMESPACE = Namespace(ModelFingerprint("tiny", 2, 2, 16, "float32", block_tokens=16), "")
 KEYS = [bytes([n]) * 32 for n in range(1, 4)]
+T = TypeVar("T")
 
 
 def lookup(client: KVStoreClient) -> int:
@@ -131,3 +141,113 @@ def test_a_link_that_connects_wakes_the_others_to_its_daemon(tmp_path: Path) -> 
             link.close()
         daemon.close()
         other.close()
+
+
+def payload(key: bytes) -> bytes:
+    """A block's bytes, derived from its key (NAMESPACE's blocks are 4 KiB)."""
+    return hashlib.sha256(key).digest() * (NAMESPACE.model.layout().payload_bytes // 32)
+
+
+def test_links_shared_by_threads_through_restarts_read_only_right_bytes(tmp_path: Path) -> None:
+    """Three worker links (each used by two threads, as vLLM's load and save threads share
+    one) and three scheduler links to one daemon, all with a retry_s longer than the test,
+    while the daemon is SIGKILLed and restarted three times. Every block read must be the
+    bytes derived from its key; a call may only fail with the link's or the client's own
+    errors; after each restart every scheduler link answers again through the workers'
+    news alone; no connect thread is left behind."""
+    before = set(threading.enumerate())
+    daemon = Daemon(tmp_path, host_capacity="32MiB", ssd_capacity=None)
+    daemon.start()
+    workers = [
+        Link(daemon.address, NAMESPACE, retry_s=600.0, role="worker", wait_for_connect=True)
+        for _ in range(3)
+    ]
+    schedulers = [
+        Link(daemon.address, NAMESPACE, retry_s=600.0, role="scheduler", call_timeout=5.0)
+        for _ in range(3)
+    ]
+    stop = threading.Event()
+    tally: Counter[str] = Counter()
+    last_ok: dict[int, float] = {}
+    lock = threading.Lock()
+
+    def note(what: str, link: Link | None = None) -> None:
+        with lock:
+            tally[what] += 1
+            if link is not None and what.endswith("ok"):
+                last_ok[id(link)] = time.monotonic()
+
+    def call(link: Link, fn: Callable[[KVStoreClient], T]) -> T | None:
+        try:
+            return link.call(fn)
+        except (DaemonDown, KVStoreError, StaleArenaError) as error:
+            note(f"refused {type(error).__name__}")
+            return None
+
+    def write_and_read(link: Link, seed: int) -> None:
+        for round_ in itertools.count():
+            if stop.is_set():
+                return
+            keys = block_keys(
+                list(range(seed * 10**6 + round_ * 64, seed * 10**6 + round_ * 64 + 64)), NAMESPACE
+            )
+            blocks = [payload(key) for key in keys]
+            if call(link, lambda c, k=keys, b=blocks: c.put(NAMESPACE, k, b)) is not None:
+                note("put ok", link)
+            got = call(link, lambda c, k=keys: c.get(NAMESPACE, k))
+            if got is not None:
+                note("get ok", link)
+                for key, data in zip(keys, got, strict=False):  # a chain may come back short
+                    note("verified" if bytes(data) == payload(key) else "WRONG")
+
+    def look_up(link: Link) -> None:
+        keys = block_keys(list(range(64)), NAMESPACE)
+        while not stop.is_set():
+            held = call(link, lambda c: c.lookup(NAMESPACE, keys))
+            if held is not None:
+                assert 0 <= held <= len(keys)
+                note("lookup ok", link)
+            time.sleep(0.01)
+
+    runners = [
+        threading.Thread(target=write_and_read, args=(link, n * 2 + k))
+        for n, link in enumerate(workers)
+        for k in range(2)
+    ]
+    runners += [threading.Thread(target=look_up, args=(link,)) for link in schedulers]
+    for runner in runners:
+        runner.start()
+    try:
+        for _ in range(3):
+            time.sleep(1.0)
+            daemon.kill()
+            time.sleep(0.5)
+            daemon.start()
+            back = time.monotonic()
+            deadline = back + 15.0
+            while any(last_ok.get(id(link), 0.0) < back for link in schedulers + workers):
+                assert time.monotonic() < deadline, f"a link did not come back: {tally}"
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        for runner in runners:
+            runner.join(30)
+        for link in workers + schedulers:
+            link.close()
+        daemon.close()
+    assert tally["WRONG"] == 0, tally
+    # Floors far below what a run reads (1,600-1,900 here), so a slow machine passes: what
+    # they catch is a run in which the links never read at all.
+    assert tally["verified"] >= 100 and tally["lookup ok"] >= 9, tally
+    stuck = [runner for runner in runners if runner.is_alive()]
+    assert not stuck, "\n".join(
+        "".join(traceback.format_stack(sys._current_frames()[t.ident])) for t in stuck if t.ident
+    )
+    time.sleep(0.5)  # the clients' loop threads end after close
+    left = [t.name for t in set(threading.enumerate()) - before]
+    ours = [
+        name
+        for name in left
+        if name.startswith(("kvstore-client", "kvstore-worker", "kvstore-scheduler"))
+    ]
+    assert ours == [], ours  # no connect thread, no client loop left (gRPC's poller is its own)
