@@ -104,10 +104,13 @@ class KVStoreClient:
         self._calls: set[concurrent.futures.Future[Any]] = set()  # in flight, any thread
         self._closing = False
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _refuse_on_loop(self, coro: Coroutine[Any, Any, object]) -> None:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a KVStoreClient method was called from its own event loop")
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        self._refuse_on_loop(coro)
         with self._calls_lock:
             if self._closing:
                 coro.close()
@@ -132,15 +135,18 @@ class KVStoreClient:
     def close(self) -> None:
         """Ends the calls other threads have in flight (``NotConnectedError``), closes the
         async client, then stops and closes the loop; again: no-op."""
+        closing = self._client.aclose()
+        self._refuse_on_loop(closing)  # it would wait on itself
         with self._calls_lock:
             if self._closing:
+                closing.close()
                 return
             self._closing = True
             in_flight = list(self._calls)
         for future in in_flight:
             future.cancel()  # its caller returns at once; its task is cancelled on the loop
         try:
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result()
+            asyncio.run_coroutine_threadsafe(closing, self._loop).result()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()

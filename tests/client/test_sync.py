@@ -148,9 +148,14 @@ def test_a_method_called_on_the_loop_thread_is_refused(daemon: Daemon) -> None:
             assert threading.current_thread() is client._thread
             client.stats()
 
-        future = asyncio.run_coroutine_threadsafe(call_blocking(), client._loop)
-        with pytest.raises(RuntimeError, match="its own event loop"):
-            future.result(timeout=10)
+        async def close_blocking() -> None:
+            client.close()
+
+        for blocking in (call_blocking, close_blocking):
+            future = asyncio.run_coroutine_threadsafe(blocking(), client._loop)
+            with pytest.raises(RuntimeError, match="its own event loop"):
+                future.result(timeout=10)
+        assert client.stats().version  # the refused close closed nothing
 
 
 def test_the_blocking_methods_are_the_async_ones() -> None:
