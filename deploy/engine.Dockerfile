@@ -10,19 +10,18 @@ RUN groupadd --system --gid 10001 kvstore \
  && useradd --uid 10002 --user-group --groups kvstore --create-home --shell /usr/sbin/nologin \
       engine
 WORKDIR /src
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY kvstore kvstore
 COPY tiers tiers
 COPY client client
 COPY protos protos
 COPY kernels kernels
 COPY inference_adapter inference_adapter
-# torch first from the CPU wheel index (the default index would bring a CUDA build), then the
-# project with the engine extra, held to constraints.txt's versions.
+# The project with the engine extra at requirements.lock's versions; the lock's torch is the
+# CPU build (2.13.0+cpu), which PyTorch's CPU wheel index holds (PyPI's would be a CUDA build).
 RUN python -m venv /opt/kvstore \
- && /opt/kvstore/bin/pip install --no-cache-dir torch==2.13.0 \
-      --index-url https://download.pytorch.org/whl/cpu \
- && /opt/kvstore/bin/pip install --no-cache-dir -c constraints.txt ".[engine]"
+ && /opt/kvstore/bin/pip install --no-cache-dir -c requirements.lock \
+      --extra-index-url https://download.pytorch.org/whl/cpu ".[engine]"
 ENV PATH=/opt/kvstore/bin:$PATH \
     PYTHONUNBUFFERED=1
 WORKDIR /home/engine

@@ -248,7 +248,8 @@ def pip_targets(stage: list[Instruction]) -> list[list[str]]:
             words = shlex.split(command)
             if "pip" in " ".join(words[:2]) and "install" in words:
                 after = words[words.index("install") + 1 :]
-                skip_next = {"-c", "--constraint", "--index-url", "-r", "--requirement"}
+                skip_next = {"-c", "--constraint", "--index-url", "--extra-index-url", "-r"}
+                skip_next.add("--requirement")
                 kept, skip = [], False
                 for word in after:
                     if skip:
@@ -622,8 +623,8 @@ def deployed(
     prefix += ["\n".join([*script, 'exec "$@"']), "sh", setpriv, f"--reuid={uid}"]
     prefix += [f"--regid={gid}", "--clear-groups", "--no-new-privs", "--bounding-set=-all", "--"]
     if filters is not None:
-        code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import tests.test_deploy as t"
-        prefix += [sys.executable, "-c", f"{code}; t.launch()", json.dumps(filters)]
+        code = f"import sys; sys.path.append({str(REPO)!r}); import tests.test_deploy as t"
+        prefix += [sys.executable, "-P", "-c", f"{code}; t.launch()", json.dumps(filters)]
     with launched([*prefix, *command], env=env, log=log, address=address) as daemon:
         yield daemon
 
@@ -822,7 +823,12 @@ def test_the_daemon_image_installs_no_torch_and_runs_as_a_user() -> None:
     pyproject = (REPO / "pyproject.toml").read_text()
     folders = set(re.findall(r'^"kvstore[.\w]*" = "(\w+)"$', pyproject, re.MULTILINE))
     assert folders >= {"kvstore", "tiers", "client", "protos"}
-    assert set(copies(build).values()) >= folders | {"pyproject.toml", "README.md"}
+    assert set(copies(build).values()) >= folders | {
+        "pyproject.toml",
+        "README.md",
+        "requirements.lock",
+    }
+    assert "-c requirements.lock" in " ".join(i.args for i in instructions(build, "RUN"))
     final = stages[-1]
     user = instructions(final, "USER")[-1].args.partition(":")[0]
     assert user not in ("root", "0") and image_uid_gid(final)[0] != 0
@@ -997,8 +1003,10 @@ def test_the_engine_images_command_chats_through_a_daemon(
 
     engine = dockerfile(DEPLOY / "engine.Dockerfile")[-1]
     targets = pip_targets(engine)
-    assert ["torch==2.13.0"] in targets and [".[engine]"] in targets
-    assert "download.pytorch.org/whl/cpu" in " ".join(i.args for i in instructions(engine, "RUN"))
+    assert targets == [[".[engine]"]]
+    installs = " ".join(i.args for i in instructions(engine, "RUN"))
+    # At the lock's versions; its torch is the CPU build, on PyTorch's CPU index.
+    assert "-c requirements.lock" in installs and "download.pytorch.org/whl/cpu" in installs
     # The engine's user is in the daemon's socket group.
     socket_group = image_uid_gid(daemon_stage())[1]
     user = instructions(engine, "USER")[-1].args

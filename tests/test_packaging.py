@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.launch import kvstore_command
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "support" / "torchless.py"
 BLOCKER = REPO / "tests" / "support" / "no_torch"
@@ -56,7 +58,7 @@ def test_importing_the_client_and_the_daemon_loads_no_torch(tmp_path: Path) -> N
     """Where torch is installed (this venv), still nothing imports it."""
     modules = ["kvstore.client", "kvstore.cli", "kvstore.server", "kvstore.service"]
     code = f"import json, sys; import {', '.join(modules)}; print(json.dumps(list(sys.modules)))"
-    loaded = json.loads(run([sys.executable, "-c", code], tmp_path).stdout)
+    loaded = json.loads(run([sys.executable, "-P", "-c", code], tmp_path).stdout)
     assert [name for name in loaded if name.partition(".")[0] in ("torch", "triton")] == []
 
 
@@ -64,7 +66,7 @@ def test_the_daemon_and_the_client_run_with_torch_blocked(tmp_path: Path) -> Non
     reports = tmp_path / "imports"
     reports.mkdir()
     result = run(
-        [sys.executable, SCRIPT],
+        [sys.executable, "-P", SCRIPT],
         tmp_path,
         PYTHONPATH=str(BLOCKER),
         NO_TORCH_REPORT_DIR=str(reports),
@@ -79,7 +81,7 @@ def test_the_daemon_and_the_client_run_with_torch_blocked(tmp_path: Path) -> Non
 
 
 def test_engine_commands_name_the_missing_extra(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "kvstore", "chat", "--help"]
+    command = kvstore_command("chat", "--help")
     env = {**os.environ, "PYTHONPATH": str(BLOCKER)}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 2
@@ -100,7 +102,7 @@ def test_a_fresh_venv_with_only_pip_install_runs_without_torch(tmp_path: Path) -
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv], tmp_path)  # no system site packages
     python = venv / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", "-c", REPO / "constraints.txt", source], tmp_path)
+    run([python, "-m", "pip", "install", "-q", "-c", REPO / "requirements.lock", source], tmp_path)
 
     installed = run([python, "-m", "pip", "list", "--format=json"], tmp_path).stdout
     names = {package["name"].lower() for package in json.loads(installed)}

@@ -206,7 +206,7 @@ class RedisTier:
                                           "socket_connect_timeout": self._timeout_s}  # fmt: skip
             if self._tls:
                 connection.update(ssl=True, **self._tls)
-            sentinel = Sentinel(cluster_seeds(self._url), sentinel_kwargs=connection)  # type: ignore[no-untyped-call]
+            sentinel = Sentinel(cluster_seeds(self._url), sentinel_kwargs=connection)
             primary: Redis = sentinel.master_for(
                 service,
                 db=database,
