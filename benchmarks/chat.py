@@ -1,6 +1,6 @@
 """Multi-turn chat TTFT, prefill throughput and hit rates, kvstore against recompute.
 
-    python benchmarks/chat.py [--quick] [--out DIR] [--json FILE] ...
+    python -m benchmarks.chat [--quick] [--out DIR] [--json FILE] ...
 
 The same as ``kvstore bench chat``; the bench lives in ``kvstore.inference_adapter.bench``
 (installed with the project). See docs/BENCHMARKS.md for a recorded run.

@@ -1,6 +1,6 @@
 """Daemon throughput and lookup latency beside limits measured in the same run.
 
-    python benchmarks/daemon.py [--sizes 2MiB,32MiB] [--blocks N] [--rounds R]
+    python -m benchmarks.daemon [--sizes 2MiB,32MiB] [--blocks N] [--rounds R]
                                 [--lookups L] [--json out.json]
 
 Starts a real daemon (``python -m kvstore serve --config <temp toml>``: a host tier sized for
@@ -54,13 +54,15 @@ from typing import TypeVar
 import grpc
 import torch
 import uvloop
-from raw_grpc import RawClient, child, raw_server_command, serving
 
 from kvstore.blocks import payload_checksum
 from kvstore.client import AsyncKVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
 from kvstore.config import load_config
+from kvstore.launch import kvstore_command
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
-from tiers import (
+
+from .raw_grpc import RawClient, child, raw_server_command, serving
+from .tiers import (
     GB,
     MIB,
     Row,
@@ -398,7 +400,7 @@ async def servers(scratch: Path, arena_bytes: int) -> AsyncIterator[Servers]:
     )
     config.write_text(daemon_config(sock, arena_bytes))
     limit = load_config(config).server.max_message_bytes
-    serve = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
+    serve = kvstore_command("serve", "--config", str(config))
     serve += ["--log-level", "warning"]
     raw_server = raw_server_command(f"unix:{raw_sock}", limit)
     logs = scratch / "daemon.log", scratch / "raw.log"

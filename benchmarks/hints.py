@@ -1,6 +1,6 @@
 """Prefetch hints on real conversations: hit rate and store time per turn, with and without.
 
-    python benchmarks/hints.py [--sessions 999] [--rate 2] [--gap 60] [--host 0.05]
+    python -m benchmarks.hints [--sessions 999] [--rate 2] [--gap 60] [--host 0.05]
                                [--ssd 0.25] [--lookahead 49] [--json FILE]
 
 Replays ShareGPT V3 conversations (``kvstore dataset fetch``; whitespace-split words as
@@ -50,7 +50,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvloop
-from daemon import percentiles_ms
 
 from kvstore.blocks import ROOT_KEY, BlockLayout, Codec
 from kvstore.index import BlockMeta
@@ -65,6 +64,8 @@ from kvstore.policies import EvictionPolicy, LruPolicy, eviction_policy, write_p
 from kvstore.store import BlockStore, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
+
+from .daemon import percentiles_ms
 
 LAYOUT = BlockLayout(num_layers=1, num_kv_heads=1, block_tokens=16, head_dim=8, dtype="float16")
 BLOCK = LAYOUT.payload_bytes  # 512 B: the replay is about placement, not bytes moved

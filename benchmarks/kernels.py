@@ -1,6 +1,6 @@
 """Kernel throughput beside a limit measured in the same run, on the same device.
 
-    python benchmarks/kernels.py [--device cuda|cpu] [--dtype float16] [--size small|large]
+    python -m benchmarks.kernels [--device cuda|cpu] [--dtype float16] [--size small|large]
                                  [--repeats R] [--json out.json]
 
 The kernels run through ``kvstore.kernels``' dispatch, so on CUDA the Triton kernels run and

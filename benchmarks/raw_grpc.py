@@ -71,7 +71,7 @@ async def serving(proc: asyncio.subprocess.Process, address: str, log: Path) -> 
 
 def raw_server_command(address: str, max_message_bytes: int) -> list[str]:
     """The command line of the raw server's child process."""
-    return [sys.executable, __file__, address, str(max_message_bytes)]
+    return [sys.executable, "-P", __file__, address, str(max_message_bytes)]  # needs no neighbour
 
 
 def message_limits(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -1,7 +1,7 @@
 """The store at scale: evicting puts, lookups during eviction, stats, index memory per block,
 many clients of one daemon, and LMCache's CPU backend beside kvstore.
 
-    python benchmarks/scale.py [--sizes 2000,20000] [--chain 16,512] [--puts 2000]
+    python -m benchmarks.scale [--sizes 2000,20000] [--chain 16,512] [--puts 2000]
                                [--lookups 200] [--block-bytes 4096] [--clients 1,4,16]
                                [--client-mb 32] [--rounds 5] [--lmcache-python PATH]
                                [--lmcache-mb 512] [--sections eviction,memory,clients,lmcache]
@@ -68,8 +68,6 @@ from pathlib import Path
 import numpy
 import torch
 import uvloop
-from daemon import Chain, Timed, clocked, model_for, paired, percentiles_ms, raw_ops, servers
-from raw_grpc import RawClient
 
 from kvstore.blocks import BlockLayout
 from kvstore.client import AsyncKVStoreClient, WriteStatus
@@ -79,7 +77,10 @@ from kvstore.policies import eviction_policy, write_policy
 from kvstore.store import Block, BlockStore, StoreTier
 from kvstore.tiers import collector
 from kvstore.tiers.host import HostTier
-from tiers import GB, MIB, Step, expect, progress, run_rounds
+
+from .daemon import Chain, Timed, clocked, model_for, paired, percentiles_ms, raw_ops, servers
+from .raw_grpc import RawClient
+from .tiers import GB, MIB, Step, expect, progress, run_rounds
 
 HERE = Path(__file__).resolve().parent
 NAMESPACE = b"s" * 32
@@ -570,7 +571,7 @@ def lmcache_row(python: Path | None, mib: int, rounds: int) -> tuple[StoreRow | 
     """LMCache's figures from ``lmcache_row.py`` run by ``python``; or None and why not."""
     if python is None:
         return None, f"LMCache row skipped: no venv; make one with `{LMCACHE_SETUP}`"
-    command = [str(python), str(HERE / "lmcache_row.py"), "--mib", str(mib)]
+    command = [str(python), "-P", str(HERE / "lmcache_row.py"), "--mib", str(mib)]
     command += ["--rounds", str(rounds)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600,

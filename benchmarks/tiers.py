@@ -1,6 +1,6 @@
 """Tier throughput beside a limit measured in the same run, on the same machine.
 
-    python benchmarks/tiers.py [--sizes 32MiB,2MiB] [--blocks N]
+    python -m benchmarks.tiers [--sizes 32MiB,2MiB] [--blocks N]
                                [--tiers host,ssd,redis,redis-cluster] [--rounds R]
                                [--pipeline P] [--dir DIR] [--json out.json]
 

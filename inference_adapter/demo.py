@@ -50,6 +50,7 @@ from kvstore.inference_adapter.sessions import ByteTokenizer, ChatServer, Turn
 from kvstore.inference_adapter.tokenizer import ChatTokenizer
 from kvstore.inference_adapter.weights import LlamaConfig
 from kvstore.kernels import RopeConfig
+from kvstore.launch import kvstore_command
 
 __all__ = ["SCRIPT", "add_chat_parser", "main", "run_chat"]
 
@@ -348,7 +349,7 @@ def _daemon(address: str | None) -> Iterator[str]:
         f"fsync = false\n[server]\nlisten = [{json.dumps(f'unix:{socket}')}]\n"
     )
     log = (workdir / "daemon.log").open("wb")
-    command = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
+    command = kvstore_command("serve", "--config", str(config))
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_until_serving(f"unix:{socket}", proc)

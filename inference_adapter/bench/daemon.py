@@ -19,7 +19,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +28,7 @@ from pathlib import Path
 from kvstore.client import KVStoreClient, KVStoreError
 from kvstore.config import load_config
 from kvstore.inference_adapter.bench.ports import free_port
+from kvstore.launch import kvstore_command
 
 __all__ = ["StoreProcess", "TierSetup", "redis_server", "running_store"]
 
@@ -126,7 +126,7 @@ def running_store(
         socket_path = sockets / "kvstore.sock"
         config.write_text(_toml(setup.sections(scratch, socket_path, redis_url)))
         load_config(config)  # a bad setup fails here, with the key named
-        command = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
+        command = kvstore_command("serve", "--config", str(config))
         proc = cleanup.enter_context(_child([*command, "--log-level", "warning"], scratch))
         address = f"unix:{socket_path}"
         _wait_for("the daemon", lambda: _answers(address), proc, scratch / "child.log")

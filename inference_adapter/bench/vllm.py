@@ -26,6 +26,7 @@ from typing import Any
 
 from kvstore.inference_adapter.bench.daemon import TierSetup, running_store
 from kvstore.inference_adapter.bench.vllm_chat import MODEL_SIZES, ChatShape, write_model
+from kvstore.launch import module_command
 
 __all__ = ["main"]
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _chat(model: Path, shape: ChatShape, connector: str | None) -> dict[str, Any]:
-    command = [sys.executable, "-m", "kvstore.inference_adapter.bench.vllm_chat"]
+    command = module_command("kvstore.inference_adapter.bench.vllm_chat")
     command += ["--model", str(model)]
     for name, value in asdict(shape).items():
         command += [f"--{name.replace('_', '-')}", str(value)]

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # hints.py imports its neighbours as top-level modules
+from kvstore.inference_adapter.bench.sharegpt import dataset_path
+from tests.support.benchmarks import benchmark
+from tests.support.files import fetched
 
-import hints  # noqa: E402
-
-from kvstore.inference_adapter.bench.sharegpt import dataset_path  # noqa: E402
-from tests.support.files import fetched  # noqa: E402
+hints = benchmark("hints")
 
 
 def test_every_setup_replays_the_same_turns(tmp_path: Path) -> None:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # scale.py imports its neighbours as top-level modules
+from tests.support.benchmarks import benchmark
 
-import scale  # noqa: E402
-
+scale = benchmark("scale")
 TINY = ["--sizes", "300", "--chain", "16", "--puts", "50", "--lookups", "20"]
 TINY += ["--clients", "2", "--client-mb", "1", "--rounds", "1", "--lmcache-mb", "32"]
 

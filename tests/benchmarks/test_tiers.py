@@ -22,7 +22,7 @@ def test_the_redis_and_cluster_rows_round_trip_every_block(tmp_path: Path) -> No
     args = ["--sizes", "1MiB", "--blocks", "16", "--rounds", "1", "--pipeline", "4"]
     args += ["--tiers", "redis,redis-cluster", "--dir", str(tmp_path), "--json", str(out)]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tiers.py"), *args],
+        [sys.executable, "-m", "benchmarks.tiers", *args],  # as `make bench-tiers` runs it
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr  # a block that came back wrong exits non-zero

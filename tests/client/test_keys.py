@@ -117,7 +117,11 @@ def test_keys_do_not_depend_on_the_interpreter_hash_seed() -> None:
     for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-P", "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         assert out.stdout.strip().split(",") == GOLDEN_KEYS
 

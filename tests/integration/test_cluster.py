@@ -10,12 +10,12 @@ key and reads bit-exact.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from kvstore.client import KVStoreClient, WriteStatus, block_keys
 from kvstore.inference_adapter.bench.redis_cluster import LocalCluster, LocalSentinel
+from kvstore.launch import kvstore_command
 from tests.support.daemon import Daemon, running_daemon
 from tests.support.waiting import wait_for
 from tests.support.worker import NAMESPACE, own_tokens, payload
@@ -30,7 +30,7 @@ def cluster_settings(cluster: LocalCluster, prefix: str) -> dict[str, dict[str, 
 def health_line(daemon: Daemon) -> tuple[int, str]:
     """``kvstore health`` against ``daemon``: its exit status and line."""
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore", "health", "--address", daemon.address],
+        kvstore_command("health", "--address", daemon.address),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     return done.returncode, done.stdout.strip() + done.stderr.strip()

@@ -31,6 +31,7 @@ from kvstore.client import (
     WriteStatus,
     block_keys,
 )
+from kvstore.launch import kvstore_command
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from tests.support.daemon import Daemon, running_daemon
@@ -39,13 +40,11 @@ from tests.support.waiting import wait_for
 from tests.support.worker import BLOCK, NAMESPACE, SHARED_TOKENS, own_tokens, payload
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "worker.py"
-TESTS = str(Path(__file__).resolve().parents[1])
 
 
 def worker(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": TESTS}
     return subprocess.Popen(
-        [sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-P", str(WORKER), *args], stdout=subprocess.PIPE, text=True
     )
 
 
@@ -117,7 +116,7 @@ def test_sigterm_flushes_write_back_blocks_to_ssd(tmp_path: Path) -> None:
 def serve(config: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``kvstore serve`` on ``config`` until it exits (it must refuse: it never serves)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    command = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
+    command = kvstore_command("serve", "--config", str(config))
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -235,7 +234,7 @@ def test_sigterm_during_start_up_closes_what_it_opened(tmp_path: Path) -> None:
         assert daemon.stop() == 0
         files = sorted((tmp_path / "ssd").glob("*/*.blk"))
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        command = [sys.executable, "-m", "kvstore", "serve", "--config", str(daemon.config_path)]
+        command = kvstore_command("serve", "--config", str(daemon.config_path))
         proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         lock = daemon.socket_path.with_name("kvstore.sock.lock")
         wait_for(lambda: lock.exists() and lock.read_text().strip() == str(proc.pid))
@@ -289,7 +288,7 @@ def test_a_scrape_after_a_chat_shows_the_gets_and_hits_kvstore_stats_shows(
             kvstore_pb2_grpc.KVStoreStub(channel).Release(pb.ReleaseRequest(lease_id=987654))
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         printed = subprocess.run(
-            [sys.executable, "-m", "kvstore", "stats", "--address", daemon.address, "--json"],
+            kvstore_command("stats", "--address", daemon.address, "--json"),
             capture_output=True, text=True, env=env, check=True,
         )  # fmt: skip
         stats = json.loads(printed.stdout)

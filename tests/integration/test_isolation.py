@@ -28,6 +28,7 @@ import grpc
 from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
 from kvstore.client.shm import ShmSession
 from kvstore.client.wire import fingerprint_message
+from kvstore.launch import kvstore_command
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.shm_wire import Hello
@@ -74,12 +75,11 @@ def test_another_tenant_can_neither_read_nor_write_nor_probe_alices_kv(tmp_path:
             )
             assert reserved.reservations[0].status == pb.RESERVED
         assert daemon.proc is not None
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         done = subprocess.run(
-            [sys.executable, str(ATTACKER), daemon.address, str(daemon.proc.pid),
+            [sys.executable, "-P", str(ATTACKER), daemon.address, str(daemon.proc.pid),
              ",".join(k.hex() for k in keys), MARK.hex(), opened.session_id.hex(),
              pending.hex()],
-            capture_output=True, text=True, timeout=120, env=env,
+            capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -129,7 +129,7 @@ OPS_TOKENS = [*TOKENS, "ops-secret:*"]
 
 def kvstore_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
+    return subprocess.run(kvstore_command(*args), capture_output=True,
                           text=True, env=env, timeout=60)  # fmt: skip
 
 

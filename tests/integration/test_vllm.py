@@ -31,6 +31,7 @@ from kvstore.inference_adapter.connector import StoreConnector, namespace_for
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.model import load_model
+from kvstore.launch import module_command
 from tests.support.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def chat(model: Path, connector: str | None, *hooks: str) -> dict[str, Any]:
 
 
 def run_driver(model: Path, connector: str | None, *hooks: str) -> subprocess.CompletedProcess[str]:
-    command = [str(VLLM_PYTHON), "-m", "kvstore.inference_adapter.bench.vllm_chat"]
+    command = module_command("kvstore.inference_adapter.bench.vllm_chat", python=VLLM_PYTHON)
     command += ["--model", str(model), "--block-size", str(BLOCK), "--kv-cache-mib", "256"]
     command += ["--turns", str(SHAPE.turns), "--first-tokens", str(SHAPE.first_tokens)]
     command += ["--turn-tokens", str(SHAPE.turn_tokens)]
@@ -267,7 +268,7 @@ def wait_for(path: Path, timeout: float = 120.0) -> None:
 def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
     """``kvstore bench vllm`` on the test model: both runs, one table, identical tokens."""
     raw = tmp_path / "bench.json"
-    command = [str(VLLM_PYTHON), "-m", "kvstore", "bench", "vllm", "--size", "test"]
+    command = module_command("kvstore", "bench", "vllm", "--size", "test", python=VLLM_PYTHON)
     command += ["--sessions", "2", "--turns", "2", "--first-tokens", "256", "--turn-tokens", "64"]
     command += ["--json", str(raw)]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -24,6 +24,7 @@ from kvstore.client import KVStoreClient
 from kvstore.client.keys import block_keys
 from kvstore.config import Config, HostConfig, SsdConfig
 from kvstore.defaults import auto_host_capacity, host_capacity, host_default, meminfo_bytes
+from kvstore.launch import kvstore_command
 from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
@@ -151,9 +152,7 @@ def sock_dir() -> Iterator[Path]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run(kvstore_command(*args), capture_output=True, text=True, timeout=60)
 
 
 def test_serve_stats_and_sigterm(tmp_path: Path, sock_dir: Path) -> None:
@@ -166,7 +165,7 @@ def test_serve_stats_and_sigterm(tmp_path: Path, sock_dir: Path) -> None:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
+        kvstore_command("serve", "--config", str(config)),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -262,7 +261,7 @@ def test_a_reader_that_leaves_early_is_no_error() -> None:
         "def talk(args):\n    for _ in range(100000):\n        print('x' * 100)\n    return 0\n"
         "cli._stats = talk\nsys.exit(cli.main(['stats']))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-P", "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)  # fmt: skip
     assert proc.stdout is not None and proc.stdout.read(10) == b"x" * 10
     proc.stdout.close()  # the reader leaves
@@ -290,7 +289,7 @@ def serve_with(tmp_path: Path, toml: str) -> subprocess.CompletedProcess[str]:
     config.write_text(toml)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     return subprocess.run(
-        [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
+        kvstore_command("serve", "--config", str(config)),
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
 
@@ -426,8 +425,7 @@ def test_stats_watch_prints_rates_of_what_happens_meanwhile(tmp_path: Path) -> N
     size = MODEL.layout().payload_bytes
     with running_daemon(tmp_path, host_capacity="64MiB") as daemon:
         watch = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "stats", "--address", daemon.address,
-             "--watch", "0.5", "--count", "4"],
+            kvstore_command("stats", "--address", daemon.address, "--watch", "0.5", "--count", "4"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         with KVStoreClient(daemon.address) as client:

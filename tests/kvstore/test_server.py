@@ -515,7 +515,7 @@ async def test_a_group_socket_is_reachable_by_the_group_only(tmp_path: Path) -> 
 
         async def connect(as_group: int) -> dict[str, object]:
             child = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", CONNECT_AS, str(path), str(as_group),
+                sys.executable, "-P", "-c", CONNECT_AS, str(path), str(as_group),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )  # fmt: skip
             out, err = await asyncio.wait_for(child.communicate(), 60)

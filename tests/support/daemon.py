@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.launch import kvstore_command
 
 __all__ = ["Daemon", "running_daemon"]
 
@@ -97,7 +98,7 @@ class Daemon:
         if self.running:
             return
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        command = [sys.executable, "-m", "kvstore", "serve", "--config", str(self.config_path)]
+        command = kvstore_command("serve", "--config", str(self.config_path))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir

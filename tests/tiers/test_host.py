@@ -46,7 +46,7 @@ async def tier(tmp_path: Path) -> AsyncIterator[HostTier]:
 def run_child(code: str, fd: int, *args: object) -> subprocess.CompletedProcess[bytes]:
     """Runs ``code`` in a fresh interpreter that inherits ``fd`` (``sys.argv[1]``)."""
     return subprocess.run(
-        [sys.executable, "-c", code, str(fd), *map(str, args)],
+        [sys.executable, "-P", "-c", code, str(fd), *map(str, args)],
         capture_output=True,
         timeout=60,
         pass_fds=(fd,),

@@ -23,7 +23,7 @@ time.sleep(60)
 
 
 def holder(path: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-P", "-c", HOLD, str(path)], stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     return proc
@@ -59,7 +59,7 @@ def test_a_lock_file_that_cannot_be_made_names_itself(tmp_path: Path) -> None:
 
 def test_two_starting_at_once_get_one_lock(tmp_path: Path) -> None:
     path = tmp_path / "race.lock"
-    procs = [subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-P", "-c", HOLD, str(path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]  # fmt: skip
     try:
         # Each prints "held" and waits, or is refused and exits (its stdout then ends).

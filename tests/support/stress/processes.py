@@ -1,15 +1,15 @@
 """The daemon run's child processes: a private redis-server, and the client workers.
 
-Workers run ``python -P -m tests.support.stress --worker CONFIG`` with the repository root on
-``PYTHONPATH``, log to ``worker-N.log`` and write ``worker-N.json`` in the run's directory;
-:func:`collect_reports` reads those back, and says which worker hung, crashed or wrote none.
+Workers run the module ``tests.support.stress --worker CONFIG`` (with ``-P`` and the
+repository root last on ``sys.path``), log to ``worker-N.log`` and write ``worker-N.json`` in
+the run's directory; :func:`collect_reports` reads those back, and says which worker hung,
+crashed or wrote none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -61,11 +61,12 @@ def spawn_worker(
     Path(config["report"]).unlink(missing_ok=True)
     log = open(workdir / f"worker-{config['index']}.log", "wb")  # noqa: SIM115
     stack.callback(log.close)
-    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    # -P: the repository root, not the working directory, is first on sys.path.
-    command = [sys.executable, "-P", "-m", "tests.support.stress", "--worker", json.dumps(config)]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # -P, and the repository root last on sys.path: it serves `tests` alone, and its folders
+    # never stand in for installed packages (or the link tree on PYTHONPATH) of their names.
+    boot = f"import runpy, sys; sys.path.append({str(ROOT)!r}); "
+    boot += "runpy.run_module('tests.support.stress', run_name='__main__', alter_sys=True)"
+    command = [sys.executable, "-P", "-c", boot, "--worker", json.dumps(config)]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def sample_until_done(
