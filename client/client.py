@@ -44,6 +44,8 @@ from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
+    from kvstore.client.tensors import HostBlocks
+
 __all__ = ["AsyncKVStoreClient"]
 
 
@@ -353,6 +355,41 @@ class AsyncKVStoreClient:
             else:
                 arena, slots = leased
                 yield [arena.tensor(*slot) for slot in slots]
+
+    @contextlib.asynccontextmanager
+    async def host_blocks(
+        self, namespace: Namespace, keys: Sequence[bytes]
+    ) -> AsyncIterator[HostBlocks]:
+        """Where the leading held blocks lie in host memory, valid inside the ``async with``:
+        for a loader that moves them to a device itself (one kernel per layer, say).
+
+        On the shm plane the blocks stay in the arena, under a lease that ends on exit: the
+        source is the whole arena, mapped for device kernels when it is pinned. On the stream
+        plane they are downloaded into one buffer, page-locked (so mapped) when CUDA is usable.
+        Nothing may read them after the ``async with`` (wait for device work first).
+
+        Raises:
+            ModuleNotFoundError: torch is not installed.
+            ValueError: A key is not 32 bytes.
+            UnknownLeaseError: On exit, when the lease expired while they were in use.
+        """
+        require_torch("host_blocks")
+        from kvstore.client import tensors
+
+        async with self._leased(namespace, keys) as leased:
+            if leased is not None:
+                arena, slots = leased
+                yield tensors.HostBlocks(
+                    arena.tensor(0, arena.size), tuple(s[0] for s in slots), arena.mapped()
+                )
+                return
+            size = namespace.model.layout().payload_bytes
+            pinned = tensors.cuda_ready()
+            buffer = tensors.empty(size * len(keys), pinned=pinned)
+            out = [buffer[i * size : (i + 1) * size] for i in range(len(keys))]
+            got = len(await self.get(namespace, keys, out=out))
+            mapped = tensors.HostMapped(buffer.data_ptr(), buffer.numel()) if pinned else None
+            yield tensors.HostBlocks(buffer, tuple(i * size for i in range(got)), mapped)
 
     async def put(
         self,

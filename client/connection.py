@@ -42,7 +42,7 @@ from kvstore.client.errors import (
     UnknownNamespaceError,
     error_from_rpc,
 )
-from kvstore.client.shm import ShmSession
+from kvstore.client.shm import ShmSession, torch_imported
 from kvstore.client.wire import ServerInfo
 from kvstore.namespace import Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
@@ -307,11 +307,20 @@ class Connection:
                     self.sessions[tenant] = opened
             return self.sessions.get(tenant)
 
+    def _can_pin(self) -> bool:
+        """Whether to register arenas with CUDA: asked for, and CUDA usable in this process
+        (the daemon keeps a registered arena's pages, so it is only asked to when it is)."""
+        if not (self._pin_arena and torch_imported()):
+            return False
+        from kvstore.client import tensors
+
+        return tensors.cuda_ready()
+
     async def _open_session(self, tenant: str) -> ShmSession | None:
         info = self.info
-        hello = Hello(self._token, tenant, self._staging_bytes)
+        hello = Hello(self._token, tenant, self._staging_bytes, pin=self._can_pin())
         try:
-            opened = await ShmSession.open(info.shm_socket, hello, pin_arena=self._pin_arena)
+            opened = await ShmSession.open(info.shm_socket, hello)
         except (OSError, SessionError) as error:
             self._cannot_map(info.shm_socket, str(error))
             if isinstance(error, SessionError):

@@ -50,6 +50,8 @@ from kvstore.tiers.threads import copy_arrays, pread_exactly, run_to_completion
 if TYPE_CHECKING:
     import torch
 
+    from kvstore.client import tensors
+
 __all__ = [
     "COPY_IN_THREAD_BYTES",
     "Arena",
@@ -114,11 +116,20 @@ def require_torch(what: str) -> None:
 
 
 class _Mapping:
-    """One shared memory file mapped here; closed once the copies in flight are done."""
+    """One shared memory file mapped here; closed once the copies in flight are done.
 
-    def __init__(self, fd: int, size: int, *, writable: bool) -> None:
+    With ``pin``, the mapping is registered with CUDA (page-locked, mapped into the device's
+    address space; read-only when the mapping is) when torch is imported and CUDA is usable;
+    ``close`` unregisters it.
+    """
+
+    _pin_failed = False  # a registration failed (and was logged) in this process
+
+    def __init__(self, fd: int, size: int, *, writable: bool, pin: bool = False) -> None:
         self.size = size
         self._fd = fd
+        self._writable = writable
+        self._registered = 0  # the address registered with CUDA; 0: none
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         self._bytes: Bytes | None = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -126,6 +137,8 @@ class _Mapping:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        if pin:
+            self._pin()
 
     async def aclose(self) -> None:
         """Waits for copies in flight, then unmaps (views keep the mapping until released)."""
@@ -133,6 +146,7 @@ class _Mapping:
         self.close()
 
     def close(self) -> None:
+        self._unpin()
         self._bytes = self._tensor = None
         if self._mmap is not None:
             try:
@@ -208,7 +222,47 @@ class _Mapping:
     @property
     def pinned(self) -> bool:
         """Whether the mapping is registered with CUDA as page-locked memory."""
-        return False
+        return self._registered != 0
+
+    def mapped(self) -> tensors.HostMapped | None:
+        """The whole mapping as device kernels read it, when it is registered; else None."""
+        if not self._registered:
+            return None
+        from kvstore.client import tensors
+
+        return tensors.HostMapped(self._registered, self.size)
+
+    def _pin(self) -> None:
+        if not torch_imported() or self.size == 0:
+            return
+        from kvstore.client import tensors
+
+        if not tensors.cuda_ready():
+            return
+        address = self._open_bytes().ctypes.data
+        flags = tensors.CUDA_HOST_REGISTER_PORTABLE | tensors.CUDA_HOST_REGISTER_MAPPED
+        if not self._writable:
+            flags |= tensors.CUDA_HOST_REGISTER_READ_ONLY
+        code = tensors.register_host(address, self.size, flags)
+        if code == 0:
+            self._registered = address
+        elif not type(self)._pin_failed:  # once per process and kind: each session says the same
+            type(self)._pin_failed = True
+            log.warning(
+                "cannot register %d bytes of shared memory with CUDA (cudaError %d); copies "
+                "between it and the GPU run unpinned",
+                self.size,
+                code,
+            )
+
+    def _unpin(self) -> None:
+        address, self._registered = self._registered, 0
+        if address:
+            from kvstore.client import tensors
+
+            code = tensors.unregister_host(address)
+            if code != 0:
+                log.warning("cannot unregister shared memory from CUDA (cudaError %d)", code)
 
     async def in_thread(self, call: Callable[[], T]) -> T:
         """Runs work on the mapping in a worker thread; ``aclose`` waits until it is done."""
@@ -235,57 +289,13 @@ class _Mapping:
 class Arena(_Mapping):
     """The tenant's arena, mapped read-only; ``arena_id`` names it in Acquire replies.
 
-    With ``pin``, the mapping is registered with CUDA as page-locked, read-only memory when
-    torch is imported and CUDA is usable (see the module docstring); ``close`` unregisters
-    it.
+    With ``pin``, registered with CUDA, read-only (see :class:`_Mapping`): device kernels
+    read leased blocks where they lie (:meth:`mapped`).
     """
 
-    _pin_failed = False  # a registration failed (and was logged) in this process
-
     def __init__(self, fd: int, size: int, arena_id: bytes, *, pin: bool = False) -> None:
-        super().__init__(fd, size, writable=False)
+        super().__init__(fd, size, writable=False, pin=pin)
         self.arena_id = arena_id
-        self._registered = 0  # the address registered with CUDA; 0: none
-        if pin:
-            self._pin()
-
-    @property
-    def pinned(self) -> bool:
-        return self._registered != 0
-
-    def close(self) -> None:
-        self._unpin()
-        super().close()
-
-    def _pin(self) -> None:
-        if not torch_imported() or self.size == 0:
-            return
-        from kvstore.client import tensors
-
-        if not tensors.cuda_ready():
-            return
-        address = self._open_bytes().ctypes.data
-        flags = tensors.CUDA_HOST_REGISTER_PORTABLE | tensors.CUDA_HOST_REGISTER_READ_ONLY
-        code = tensors.register_host(address, self.size, flags)
-        if code == 0:
-            self._registered = address
-        elif not Arena._pin_failed:  # once per process: each session would say the same
-            Arena._pin_failed = True
-            log.warning(
-                "cannot register the %d-byte arena with CUDA (cudaError %d); copies from it "
-                "to the GPU run unpinned",
-                self.size,
-                code,
-            )
-
-    def _unpin(self) -> None:
-        address, self._registered = self._registered, 0
-        if address:
-            from kvstore.client import tensors
-
-            code = tensors.unregister_host(address)
-            if code != 0:
-                log.warning("cannot unregister the arena from CUDA (cudaError %d)", code)
 
     async def read(self, slots: Slots) -> list[bytes]:
         """New bytes objects holding the slots' contents."""
@@ -318,10 +328,11 @@ class Arena(_Mapping):
 
 
 class Staging(_Mapping):
-    """This session's staging area, mapped writable; the daemon only reads it."""
+    """This session's staging area, mapped writable; the daemon only reads it. With ``pin``,
+    registered with CUDA: a save's device-to-host copy lands in it by DMA."""
 
-    def __init__(self, fd: int, size: int) -> None:
-        super().__init__(fd, size, writable=True)
+    def __init__(self, fd: int, size: int, *, pin: bool = False) -> None:
+        super().__init__(fd, size, writable=True, pin=pin)
 
     async def copy_in(self, slots: Slots, sources: Sequence[Payload]) -> None:
         """Copies each source into the slot of the same index (exactly ``length`` bytes)."""
@@ -385,18 +396,19 @@ class ShmSession:
         return self.info.session
 
     @classmethod
-    async def open(cls, path: str, hello: Hello, *, pin_arena: bool = False) -> ShmSession:
-        """Opens a session on the daemon's session socket ``path``; with ``pin_arena``, the
-        arena is registered with CUDA when it can be (:class:`Arena`).
+    async def open(cls, path: str, hello: Hello) -> ShmSession:
+        """Opens a session on the daemon's session socket ``path``; with ``hello.pin`` the
+        arena is registered with CUDA when it can be (:class:`Arena`), and the daemon keeps
+        its pages for as long as the session lasts.
 
         Raises:
             OSError: the socket cannot be reached.
             SessionError: the daemon refused (its gRPC status name in ``code``).
         """
-        return await asyncio.to_thread(cls._open_blocking, path, hello, pin_arena)
+        return await asyncio.to_thread(cls._open_blocking, path, hello)
 
     @classmethod
-    def _open_blocking(cls, path: str, hello: Hello, pin_arena: bool = False) -> ShmSession:
+    def _open_blocking(cls, path: str, hello: Hello) -> ShmSession:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
         try:
@@ -409,8 +421,8 @@ class ShmSession:
             info = decode_reply(data)
             if len(fds) != 2:
                 raise SessionError("INTERNAL", f"the daemon sent {len(fds)} descriptors, not 2")
-            staging = Staging(fds[1], info.staging_bytes)
-            arena = Arena(fds[0], info.arena_bytes, info.arena_id, pin=pin_arena)  # pins last
+            staging = Staging(fds[1], info.staging_bytes, pin=hello.pin)
+            arena = Arena(fds[0], info.arena_bytes, info.arena_id, pin=hello.pin)  # pins last
             fds = []
             sock.settimeout(None)
             return cls(sock, hello.tenant, info, arena, staging)
@@ -421,11 +433,12 @@ class ShmSession:
             raise
 
     async def aclose(self) -> None:
-        """Ends the session: the daemon aborts what it left reserved; unmaps both areas."""
+        """Ends the session: the daemon aborts what it left reserved; unmaps both areas. The
+        arena is unregistered from CUDA first: the daemon keeps its pages until the end."""
+        await self.arena.aclose()
         sock, self._socket = self._socket, None
         if sock is not None:
             sock.close()
-        await self.arena.aclose()
         await self.staging.aclose()
 
 

@@ -201,3 +201,4 @@ class KVStoreClient:
     health = _blocking(AsyncKVStoreClient.health)
     view = _blocking_context(AsyncKVStoreClient.view)
     view_tensors = _blocking_context(AsyncKVStoreClient.view_tensors)
+    host_blocks = _blocking_context(AsyncKVStoreClient.host_blocks)

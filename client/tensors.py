@@ -12,7 +12,9 @@ for tensors only then (:func:`kvstore.client.shm.is_tensor`) and comes here for 
 - :func:`copy_all`: copies between host and device tensors, asynchronous from pinned memory,
   all finished when it returns;
 - :func:`register_host` / :func:`unregister_host`: ``cudaHostRegister`` of a host range so
-  that copies from it to the GPU are DMA.
+  that copies from it to the GPU are DMA, and kernels can read it over the host link;
+- :class:`HostMapped` names such a range as a kernel argument; :class:`HostBlocks` is where
+  leased blocks lie in host memory (``AsyncKVStoreClient.host_blocks``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,8 +31,11 @@ import numpy.typing as npt
 import torch
 
 __all__ = [
+    "CUDA_HOST_REGISTER_MAPPED",
     "CUDA_HOST_REGISTER_PORTABLE",
     "CUDA_HOST_REGISTER_READ_ONLY",
+    "HostBlocks",
+    "HostMapped",
     "copy_all",
     "cuda_ready",
     "empty",
@@ -52,11 +58,45 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0", dtype=torch.uint8)
     torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
 
-# cudaHostRegister flags (cuda_runtime_api.h): usable from every CUDA context, and a range
-# the process may only read (the arena is mapped read-only, so the driver must not ask for
-# write access).
+# cudaHostRegister flags (cuda_runtime_api.h): usable from every CUDA context, mapped into
+# the device's address space (kernels read it over the host link), and a range the process
+# may only read (the arena is mapped read-only, so the driver must not ask for write access).
 CUDA_HOST_REGISTER_PORTABLE = 0x01
+CUDA_HOST_REGISTER_MAPPED = 0x02
 CUDA_HOST_REGISTER_READ_ONLY = 0x08
+
+
+@dataclass(frozen=True, slots=True)
+class HostMapped:
+    """Host memory registered with CUDA and mapped, as a kernel argument (Triton takes any
+    object with ``data_ptr()`` and ``dtype``): ``address`` is its host address, which under
+    unified addressing CUDA also resolves on the device. It must stay registered, and its
+    bytes unchanged, until the kernels reading it have finished."""
+
+    address: int
+    nbytes: int
+    dtype: torch.dtype = torch.int32  # what a kernel reads it as
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@dataclass(frozen=True, slots=True)
+class HostBlocks:
+    """Leased blocks where they lie in host memory: block ``i`` is
+    ``source[offsets[i] : offsets[i] + payload_bytes]``.
+
+    ``source`` is a flat uint8 CPU tensor (the arena, or a buffer the blocks were downloaded
+    into); ``mapped`` is the same memory as a device kernel reads it, when it is registered
+    with CUDA (a pinned arena, or a pinned download buffer), else None.
+    """
+
+    source: torch.Tensor
+    offsets: tuple[int, ...]
+    mapped: HostMapped | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
 
 
 def flat_bytes(tensor: torch.Tensor) -> Bytes | torch.Tensor:
@@ -89,9 +129,9 @@ def over(array: Bytes) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def empty(nbytes: int) -> torch.Tensor:
-    """A new uint8 CPU tensor of ``nbytes``."""
-    return torch.empty(nbytes, dtype=torch.uint8)
+def empty(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
+    """A new uint8 CPU tensor of ``nbytes``; page-locked with ``pinned``."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
 def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, pinned: bool) -> None:

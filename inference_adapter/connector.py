@@ -27,10 +27,10 @@ Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfac
 
 Besides the protocol: ``prefetch`` (a look-ahead hint for a queued session, sent now) and
 ``prefetch_after_next_load`` (sent once the next request's own blocks are leased, so the
-promotion cannot evict them), ``wait_for_saves``, ``stats`` and ``close``. The connector
-needs ``page_tokens == block_tokens``: a page is a block. On CUDA the layer copies run on a
-side stream (see :mod:`~kvstore.inference_adapter.loader`); that path is not exercised by the
-CPU test suite.
+promotion cannot evict them), ``wait_for_saves``, ``stats`` and ``close``. A stored block
+is ``block_tokens // page_tokens`` whole pages (``page_tokens`` must divide the namespace's
+``block_tokens``): large blocks move efficiently, small pages keep the pool's granularity.
+On CUDA the layer copies run on a side stream (see :mod:`~kvstore.inference_adapter.loader`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from kvstore.inference_adapter.interfaces import Request
 from kvstore.inference_adapter.loader import (
     LayerLoad,
     PoolHandles,
+    block_pages,
     block_positions,
-    block_slots,
+    page_slots,
     staging_for,
 )
 from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue
@@ -141,14 +142,14 @@ class StoreConnector:
             lookup is on the admission path).
         namespace: The model and tenant; its fingerprint must match the pool.
         kv_pool: The engine's pool ``[num_layers, 2, num_pages, page_tokens, kv_heads, head_dim]``.
-        page_tokens: Tokens per page; must equal ``namespace.model.block_tokens``.
+        page_tokens: Tokens per page; must divide ``namespace.model.block_tokens``.
         rope_tables: The engine's RoPE tables (on the pool's device).
         save_queue_size: Most blocks waiting to be saved; more are dropped and counted.
         load_timeout_s: How long a request's load may take before the engine recomputes.
         load_workers: Loads running at once (one thread each).
 
     Raises:
-        ValueError: ``page_tokens`` differs from ``block_tokens``, or the pool does not
+        ValueError: ``page_tokens`` does not divide ``block_tokens``, or the pool does not
             match the namespace's fingerprint (the message names both values).
     """
 
@@ -170,7 +171,8 @@ class StoreConnector:
             raise ValueError(f"load_timeout_s must be positive, got {load_timeout_s}")
         self.client = client
         self.namespace = namespace
-        self.block_tokens = page_tokens
+        self.block_tokens = namespace.model.block_tokens
+        self._per_block = self.block_tokens // page_tokens
         self.load_timeout_s = load_timeout_s
         self._plans: dict[str, _Plan] = {}
         self._saves = SaveQueue(client, namespace, save_queue_size)
@@ -219,13 +221,12 @@ class StoreConnector:
         num_blocks = min(num_tokens // self.block_tokens, len(plan.load_keys))
         if num_blocks == 0:
             return
-        blocks = range(num_blocks)
         plan.load = LayerLoad(
             self.client,
             self.namespace,
             self._pool,
             plan.load_keys[:num_blocks],
-            block_slots(pages, blocks, self._pool),
+            block_pages(pages, range(num_blocks), self._per_block),
             self._moves(plan.stored_at[:num_blocks]),
             deadline=time.monotonic() + self.load_timeout_s,
             on_fetched=self._hints_in_background,
@@ -382,7 +383,8 @@ class StoreConnector:
     def _gather(self, pages: Sequence[int], blocks: Sequence[int]) -> torch.Tensor:
         """Blocks of the pool as the store lays them out (K after RoPE, as the pool holds it)."""
         staging = staging_for(self.namespace, len(blocks), self._pool.kv_pool.device)
-        save_blocks(self._pool.kv_pool, staging, block_slots(pages, blocks, self._pool))
+        slots = page_slots(block_pages(pages, blocks, self._per_block), self._pool)
+        save_blocks(self._pool.kv_pool, staging, slots)
         return staging
 
     def _count(self, name: str, amount: int = 1) -> None:
@@ -403,10 +405,10 @@ def _runs(indices: Sequence[int]) -> list[list[int]]:
 
 def _check_pool(namespace: Namespace, pool: PoolHandles) -> None:
     model = namespace.model
-    if pool.page_tokens != model.block_tokens:
+    if model.block_tokens % pool.page_tokens:
         raise ValueError(
-            f"page_tokens ({pool.page_tokens}) must equal the namespace's block_tokens "
-            f"({model.block_tokens}): the connector moves whole pages as blocks"
+            f"page_tokens ({pool.page_tokens}) must divide the namespace's block_tokens "
+            f"({model.block_tokens}): a stored block is whole pages"
         )
     num_layers, _, _, _, kv_heads, head_dim = pool.kv_pool.shape
     expected = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)

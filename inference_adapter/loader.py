@@ -1,16 +1,18 @@
-"""Layer-wise loading of stored blocks into the engine's paged pool.
+"""Layer-wise loading of stored blocks into our engine's paged pool.
 
 One :class:`LayerLoad` per request moves the blocks the store holds for its prompt into the
 pages the engine reserved, one layer at a time, on a worker thread, while the engine computes:
 
-1. fetch: on the shared-memory plane, lease the blocks in the daemon's arena
-   (``view_tensors``: no copy yet); on the stream plane, download them into ``staging``;
-2. per layer ``i``: copy layer ``i`` of every block into ``staging[:, i]`` (the arena ->
-   device transfer of the real thing), then ``load_blocks(staging[:, i:i+1], ...)`` scatters
-   it into the pool and sets ``ready[i]``. The engine computes layer ``i - 1`` meanwhile.
-   Stored K is after RoPE, at the positions it was computed at: a prefix hit is a plain
-   copy, bit for bit what the engine computed. Blocks placed elsewhere (a truncated chat)
-   have K re-rotated by the shift first (:func:`move_k`);
+1. fetch: lease the blocks (``host_blocks``: the arena itself on the shared-memory plane, one
+   download otherwise); no byte is copied yet;
+2. per layer ``i``: the engine-neutral :class:`~kvstore.inference_adapter.transfer.LayerWriter`
+   writes layer ``i`` of every block into its pages (a stored block is ``block_tokens //
+   page_tokens`` pages): on CUDA one kernel reading the registered arena over the host
+   link, on the CPU one copy per page straight from the arena. Then ``ready[i]`` is set. The
+   engine computes layer ``i - 1`` meanwhile. Stored K is after RoPE, at the positions it
+   was computed at: a prefix hit is a plain copy, bit for bit what the engine computed.
+   Blocks placed elsewhere (a truncated chat) are downloaded into a staging buffer and have
+   K re-rotated by the shift first (:func:`move_k`);
 3. ``wait(i)`` returns once layer ``i`` is in the pool; ``False`` when the load failed or its
    deadline passed. Then :meth:`LayerLoad.cancel` has already run: nothing touches the pool
    any more (a layer copy holds ``_pool_lock``; cancelling takes it), so the engine may
@@ -19,11 +21,9 @@ pages the engine reserved, one layer at a time, on a worker thread, while the en
    says how much from the moment layer 0 is ready; the engine computes the rest. None at
    all is a failure.
 
-CUDA: all of a load's device work (the arena -> staging copies and the scatter) runs on a side
-stream that first waits for the engine's stream; each layer records a CUDA event that the
-engine's stream waits on (``wait`` enqueues the wait; it does not synchronise the host).
-This path is written for CUDA but only the CPU path is exercised by the tests. On the CPU a
-copy is done when ``load_blocks`` returns.
+CUDA: all of a load's device work runs on a side stream that first waits for the engine's
+stream; each layer records a CUDA event that the engine's stream waits on (``wait`` enqueues
+the wait; it does not synchronise the host). The lease ends only once the side stream is done.
 """
 
 from __future__ import annotations
@@ -38,14 +38,16 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import KVStoreClient, Namespace
+from kvstore.inference_adapter.transfer import LayerWriter, engine_layers
 from kvstore.kernels import RopeTables, apply_rope, load_blocks
 
 __all__ = [
     "LayerLoad",
     "PoolHandles",
+    "block_pages",
     "block_positions",
-    "block_slots",
     "move_k",
+    "page_slots",
     "staging_for",
 ]
 
@@ -65,16 +67,28 @@ class PoolHandles:
         return self.kv_pool.size(0)
 
 
-def block_slots(pages: Sequence[int], blocks: Sequence[int], pool: PoolHandles) -> torch.Tensor:
-    """Pool slots of whole blocks ``blocks`` of a sequence (block size = page size).
+def block_pages(pages: Sequence[int], blocks: Sequence[int], per_block: int) -> torch.Tensor:
+    """The pool pages of whole blocks ``blocks`` of a sequence whose pages are ``pages``.
 
     Returns:
-        ``[len(blocks), page_tokens]`` int64 on the pool's device.
+        ``[len(blocks), per_block]`` int64 (CPU): block ``b`` is pages
+        ``pages[b * per_block : (b + 1) * per_block]``.
     """
-    device = pool.kv_pool.device
-    page_ids = torch.tensor([pages[b] for b in blocks], dtype=torch.int64, device=device)
-    rows = torch.arange(pool.page_tokens, dtype=torch.int64, device=device)
-    return page_ids[:, None] * pool.page_tokens + rows[None, :]
+    return torch.tensor(
+        [pages[b * per_block + p] for b in blocks for p in range(per_block)], dtype=torch.int64
+    ).view(len(blocks), per_block)
+
+
+def page_slots(block_pages: torch.Tensor, pool: PoolHandles) -> torch.Tensor:
+    """Pool slots of every token of blocks laid on ``block_pages`` (``[n, per_block]``).
+
+    Returns:
+        ``[n, per_block * page_tokens]`` int64 on the pool's device.
+    """
+    n = block_pages.size(0)
+    rows = torch.arange(pool.page_tokens, dtype=torch.int64)
+    slots = block_pages[:, :, None] * pool.page_tokens + rows
+    return slots.view(n, -1).to(pool.kv_pool.device)
 
 
 def block_positions(starts: Sequence[int], block_tokens: int, device: torch.device) -> torch.Tensor:
@@ -117,7 +131,8 @@ class LayerLoad:
         namespace: The model and tenant of the blocks.
         pool: The engine's pool and RoPE tables.
         keys: The blocks to load, in order.
-        slots: ``[len(keys), block_tokens]`` int64, where each token goes in the pool.
+        pages: ``[len(keys), block_tokens // page_tokens]`` int64, the pool pages of each
+            block (``block_pages``).
         moves: ``(stored_at, positions)``, each ``[len(keys), block_tokens]`` int64: the
             positions each token's K was stored at and the one it has now; None when every
             block goes back where it was computed (a prefix hit: a plain copy).
@@ -132,7 +147,7 @@ class LayerLoad:
         namespace: Namespace,
         pool: PoolHandles,
         keys: Sequence[bytes],
-        slots: torch.Tensor,
+        pages: torch.Tensor,
         moves: tuple[torch.Tensor, torch.Tensor] | None,
         deadline: float,
         on_fetched: Callable[[], None] | None = None,
@@ -142,7 +157,7 @@ class LayerLoad:
         self._namespace = namespace
         self._pool = pool
         self._keys = list(keys)
-        self._slots = slots
+        self._pages = pages
         self._moves = moves
         self.deadline = deadline
         self.ready = [threading.Event() for _ in range(pool.num_layers)]
@@ -167,11 +182,10 @@ class LayerLoad:
         )
         try:
             with device_work:
-                staging = staging_for(self._namespace, len(self._keys), self._pool.kv_pool.device)
-                if self._client.data_plane == "shm":
-                    self._run_from_arena(staging)
+                if self._moves is None:
+                    self._run_in_place()
                 else:
-                    self._run_from_stream(staging)
+                    self._run_moved(self._moves)
         except Exception:
             log.warning(
                 "loading %d blocks failed; the engine recomputes", len(self._keys), exc_info=True
@@ -202,51 +216,54 @@ class LayerLoad:
         for event in self.ready:
             event.set()
 
-    def _run_from_arena(self, staging: torch.Tensor) -> None:
+    def _run_in_place(self) -> None:
+        """A prefix hit: every layer straight from where the blocks lie into the pages."""
         layer_bytes = self._namespace.model.layout().layer_bytes
-        with self._client.view_tensors(self._namespace, self._keys) as views:
-            self._found(len(views))
+        with self._client.host_blocks(self._namespace, self._keys) as blocks:
+            self._found(len(blocks))
             self._fetched()
+            writer = LayerWriter(
+                [(blocks, self._pages)], engine_layers(self._pool.kv_pool), layer_bytes
+            )
             for layer in range(self._pool.num_layers):
-                start = layer * layer_bytes
-                for block, view in enumerate(views):
-                    # [layer_bytes] uint8 of the arena -> staging[block, layer] on the device
-                    staging[block, layer].view(-1).view(torch.uint8).copy_(
-                        view[start : start + layer_bytes], non_blocking=True
-                    )
-                if not self._write_layer(staging, layer):
+                if not self._write_layer(layer, writer.write):
                     break
             if self._stream is not None:
-                self._stream.synchronize()  # the arena slots are released on exit
+                self._stream.synchronize()  # the lease ends on exit
 
-    def _run_from_stream(self, staging: torch.Tensor) -> None:
+    def _run_moved(self, moves: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Blocks placed elsewhere than they were computed: downloaded into a staging
+        buffer, K re-rotated by the shift, then scattered layer by layer."""
+        device = self._pool.kv_pool.device
+        staging = staging_for(self._namespace, len(self._keys), device)
         got = self._client.get(self._namespace, self._keys, out=list(staging))
         self._found(len(got))
         self._fetched()
+        slots = page_slots(self._pages, self._pool)
+        stored_at, positions = (p[: self.num_blocks, None, :] for p in moves)  # over heads
+
+        def write(layer: int) -> None:
+            n = self.num_blocks
+            blocks = staging[:n, layer : layer + 1]  # [n, 1, 2, kv_heads, tokens, head_dim]
+            blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
+            load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], slots[:n])
+
         for layer in range(self._pool.num_layers):
-            if not self._write_layer(staging, layer):
+            if not self._write_layer(layer, write):
                 break
 
-    def _write_layer(self, staging: torch.Tensor, layer: int) -> bool:
-        """Scatters layer ``layer`` of ``staging`` into the pool; ``False`` once cancelled."""
+    def _write_layer(self, layer: int, write: Callable[[int], None]) -> bool:
+        """``write(layer)`` into the pool, then ``ready[layer]``; ``False`` once cancelled."""
         with self._pool_lock:
             if self._cancelled:
                 return False
-            self._load(staging, layer)
+            write(layer)
             if self._stream is not None:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._stream)
                 self._cuda_events.append(event)
         self.ready[layer].set()
         return True
-
-    def _load(self, staging: torch.Tensor, layer: int) -> None:
-        n = self.num_blocks
-        blocks = staging[:n, layer : layer + 1]  # [n, 1, 2, kv_heads, block_tokens, head_dim]
-        if self._moves is not None:
-            stored_at, positions = (p[:n, None, :] for p in self._moves)  # over heads
-            blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
-        load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], self._slots[:n])
 
     def _fetched(self) -> None:
         callback, self._on_fetched = self._on_fetched, None

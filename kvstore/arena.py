@@ -89,6 +89,13 @@ class ArenaPlane:
         """The arena of ``partition`` for clients to map (read-only)."""
         return self._host.arena(partition)
 
+    def keep_pages(self, partition: str, keep: bool) -> None:
+        """A client registered ``partition``'s arena with CUDA (``keep``), or that ended."""
+        if keep:
+            self._host.keep_pages(partition)
+        else:
+            self._host.release_pages(partition)
+
     async def acquire(
         self,
         keys: Sequence[bytes],

@@ -89,6 +89,7 @@ class Session:
         self._allocator = ArenaAllocator(staging_bytes, page_bytes=PAGE)
         self.slots: dict[bytes, Slot] = {}  # block id -> its staging slot, while reserved
         self.reserving: set[bytes] = set()  # block ids whose Reserve is still under way
+        self.keeps_pages = False  # the client registered the arena with CUDA (hello's pin)
         self.closed = False
 
     def take_fd(self) -> int:
@@ -285,6 +286,9 @@ class SessionServer:
         wanted = min(hello.staging_bytes or self._max_staging, self._max_staging)
         session = Session(tenant, max(PAGE, -(-wanted // PAGE) * PAGE), peer)
         self._sessions[session.id] = session
+        if hello.pin:  # before the arena is sent: no page of it is given back from now on
+            session.keeps_pages = True
+            self._store.keep_arena_pages(tenant, True)
         log.debug("shm session %s opened for tenant %r by %s", session.id.hex()[:8], tenant, peer)
         return session
 
@@ -310,6 +314,9 @@ class SessionServer:
 
     async def _end(self, session: Session) -> None:
         self._sessions.pop(session.id, None)
+        if session.keeps_pages:  # the client unregisters before it closes the session
+            session.keeps_pages = False
+            self._store.keep_arena_pages(session.tenant, False)
         try:
             await self._on_close(session)
         except Exception:

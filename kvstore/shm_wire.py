@@ -64,6 +64,7 @@ class Hello:
     token: str
     tenant: str
     staging_bytes: int
+    pin: bool = False  # the client registers the arena with CUDA: keep its pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ def encode_hello(hello: Hello) -> bytes:
         "token": hello.token,
         "tenant": hello.tenant,
         "staging_bytes": hello.staging_bytes,
+        "pin": hello.pin,
     }
     return _line(message)
 
@@ -103,10 +105,11 @@ def decode_hello(line: bytes) -> Hello:
         raise SessionError(
             "INVALID_ARGUMENT", f"version must be {VERSION}, got {message.get('version')!r}"
         )
-    token, tenant, staging = (
+    token, tenant, staging, pin = (
         message.get("token"),
         message.get("tenant"),
         message.get("staging_bytes"),
+        message.get("pin", False),
     )
     if not isinstance(token, str) or not isinstance(tenant, str):
         raise SessionError("INVALID_ARGUMENT", "token and tenant must be strings")
@@ -114,7 +117,9 @@ def decode_hello(line: bytes) -> Hello:
         raise SessionError(
             "INVALID_ARGUMENT", f"staging_bytes must be an int >= 0, got {staging!r}"
         )
-    return Hello(token, tenant, staging)
+    if not isinstance(pin, bool):
+        raise SessionError("INVALID_ARGUMENT", f"pin must be true or false, got {pin!r}")
+    return Hello(token, tenant, staging, pin)
 
 
 def encode_welcome(info: SessionInfo) -> bytes:

@@ -495,6 +495,12 @@ class BlockStore:
         tier."""
         return None if self._arena is None else self._arena.arena(partition)
 
+    def keep_arena_pages(self, partition: str, keep: bool) -> None:
+        """A client mapping of ``partition``'s arena was registered with CUDA (``keep``) or
+        that registration ended: see ``HostTier.keep_pages``."""
+        if self._arena is not None:
+            self._arena.keep_pages(partition, keep)
+
     async def acquire(
         self,
         keys: Sequence[bytes],

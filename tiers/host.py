@@ -28,6 +28,13 @@ Primitives, beyond the :class:`~kvstore.tiers.base.Tier` contract (``put``, ``ge
    deleted or replaced blob's slot is freed only at its last unpin.
 5. ``get_into(key, out)`` -> the blob's length, copied into a buffer the caller owns.
 6. ``arena(partition)`` -> :class:`ArenaHandle` (id, size, read-only descriptor).
+7. ``keep_pages(partition)`` / ``release_pages(partition)`` around the life of a client
+   mapping that CUDA registered: while any keep lasts, no range of that partition's arena is
+   given back (``MADV_REMOVE``) when it passes to another partition. A registration holds the
+   pages it found; given back and later refilled, the range would have new pages that the
+   device never sees, so it would read stale bytes. Such an arena keeps its pages instead:
+   each kept partition may hold up to ``capacity_bytes`` (a registration faults in the whole
+   arena anyway), on top of the tier's own bound.
 
 ``put`` is reserve + copy + commit on a private reservation; a put of a committed key
 replaces it (the old slot is freed at its last unpin).
@@ -128,6 +135,7 @@ class _Arena:
         self.arena_id = secrets.token_bytes(16)
         self.fd = os.memfd_create(f"kvstore-arena-{number}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self.reader_fd = -1
+        self.keeps = 0  # client registrations alive: while > 0, no page is given back
         try:
             os.ftruncate(self.fd, size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
@@ -480,6 +488,20 @@ class HostTier:
         self._require_open()
         return self._arena(partition).handle()
 
+    def keep_pages(self, partition: str) -> None:
+        """A client registered ``partition``'s arena with CUDA: its pages are never given
+        back until the matching :meth:`release_pages`."""
+        self._arena(partition).keeps += 1
+
+    def release_pages(self, partition: str) -> None:
+        """Ends one :meth:`keep_pages`."""
+        arena = self._arena(partition)
+        arena.keeps = max(0, arena.keeps - 1)
+
+    def kept(self, partition: str) -> int:
+        """How many :meth:`keep_pages` of ``partition`` are in force."""
+        return self._arena(partition).keeps
+
     def reserve(self, key: bytes, length: int) -> Slot | None:
         """Holds space for a blob of ``length`` bytes, invisible until :meth:`commit`.
 
@@ -653,7 +675,8 @@ class HostTier:
             return None
         end = slot.offset + self._allocator.slot_bytes(length)
         for other, start, stop in self._resident.claim(slot.offset, end, arena):
-            other.punch(start, stop - start)
+            if not other.keeps:  # a registered mapping must keep seeing the same pages
+                other.punch(start, stop - start)
         self._owner[slot.offset] = arena
         # Per-slot maps of untracked slots and of arenas (which refer to no slot map): kept
         # out of the garbage collector's walks (see kvstore.tiers.collector).

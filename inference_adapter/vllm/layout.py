@@ -26,25 +26,13 @@ consecutive vLLM blocks. :func:`gather` reads blocks of one layer into that form
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from kvstore.inference_adapter.transfer import LayerKV
 
 __all__ = ["LAYOUTS", "LayerKV", "gather", "layer_kv", "layout_of", "scatter"]
 
 LAYOUTS = ("cpu", "packed", "split")
-
-
-@dataclass(frozen=True, slots=True)
-class LayerKV:
-    """Strided K and V views of one layer: ``[num_blocks, kv_heads, block_size, head_dim]``."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def block_size(self) -> int:
-        return self.k.size(2)
 
 
 def layout_of(kv: torch.Tensor) -> str:

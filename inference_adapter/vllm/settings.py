@@ -21,8 +21,9 @@ Keys:
 - ``retry_s`` (2): after a failure, how long the connector answers "miss" before it tries
   the daemon again (sooner when another connector side in this process reached it).
 - ``use_shm`` (true): map the daemon's arena when it runs on this host.
-- ``pin_arena`` (false): on CUDA, register the mapped arena as pinned memory so loads are
-  DMA copies; only for a daemon serving one tenant (see docs/ARCHITECTURE.md, departure 10).
+- ``pin_arena`` (true): on CUDA, register the mapped arena with CUDA, so that a load is one
+  kernel per layer reading the arena over the host link; the daemon then keeps that arena's
+  pages while the worker runs (see docs/ARCHITECTURE.md, departure 10).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ConnectorSettings:
     save_queue_blocks: int = 256
     retry_s: float = 2.0
     use_shm: bool = True
-    pin_arena: bool = False
+    pin_arena: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorSettings:
@@ -81,7 +82,7 @@ class ConnectorSettings:
             save_queue_blocks=_optional_int(extra, "save_queue_blocks") or 256,
             retry_s=_seconds(extra, "retry_s", 2.0),
             use_shm=_flag(extra, "use_shm", True),
-            pin_arena=_flag(extra, "pin_arena", False),
+            pin_arena=_flag(extra, "pin_arena", True),
         )
         settings.token()  # a named variable that is unset fails now, not at first use
         return settings

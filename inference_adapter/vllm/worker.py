@@ -4,10 +4,11 @@ Per step, in vLLM's order:
 
 1. ``start(plan)`` (vLLM's ``start_load_kv``, before the forward pass when the step loads,
    after it otherwise): when the plan has loads, one thread leases the step's blocks from the
-   daemon (``view_tensors``: the arena itself on the shm plane, a download otherwise) and
-   then writes layer after layer into vLLM's blocks (stored K is after RoPE, at the
-   positions it goes back to), setting ``ready[i]`` after layer ``i``. vLLM computes layer
-   ``i`` meanwhile.
+   daemon (``host_blocks``: the arena itself on the shm plane, a download otherwise) and
+   then writes layer after layer into vLLM's blocks with the engine-neutral
+   :class:`~kvstore.inference_adapter.transfer.LayerWriter` (on CUDA one kernel per layer
+   reading the registered arena; stored K is after RoPE, at the positions it goes back to),
+   setting ``ready[i]`` after layer ``i``. vLLM computes layer ``i`` meanwhile.
 2. ``wait_layer(i)`` (vLLM's ``wait_for_layer_load``, before layer ``i``'s attention):
    returns when layer ``i`` is written. A failure or the deadline cancels the load: from then
    on the thread never writes vLLM's tensors again (each layer write holds a lock that
@@ -39,8 +40,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvstore.client import KVStoreClient, Namespace, WriteStatus
+from kvstore.client.tensors import HostBlocks
 from kvstore.inference_adapter.saver import SaveJob, SaveQueue
-from kvstore.inference_adapter.vllm.layout import LayerKV, gather, scatter
+from kvstore.inference_adapter.transfer import LayerKV, LayerWriter
+from kvstore.inference_adapter.vllm.layout import gather
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
 
@@ -165,16 +168,14 @@ class WorkerSide:
         chain comes back short (evicted, or corrupt and dropped by the daemon) loads the
         blocks that came; vLLM recomputes from the first missing one."""
         with contextlib.ExitStack() as leases:
-            specs: list[LoadSpec] = []
-            views: list[torch.Tensor] = []
+            groups: list[tuple[HostBlocks, torch.Tensor]] = []
             for spec in load.specs:
-                got = leases.enter_context(client.view_tensors(self.namespace, spec.keys))
-                if len(got) < len(spec.keys):
-                    spec = self._short(spec, len(got))
-                if got:
-                    specs.append(spec)
-                    views.extend(got)
-            self._write_layers(load, specs, views)
+                blocks = leases.enter_context(client.host_blocks(self.namespace, spec.keys))
+                if len(blocks) < len(spec.keys):
+                    spec = self._short(spec, len(blocks))
+                if len(blocks):
+                    groups.append((blocks, self._pages(spec)))
+            self._write_layers(load, groups)
 
     def _short(self, spec: LoadSpec, got: int) -> LoadSpec:
         """Counts the blocks of ``spec`` past ``got`` as failed; the spec for the rest."""
@@ -186,39 +187,28 @@ class WorkerSide:
         self.counts["missing_blocks"] += len(spec.keys) - got
         return replace(spec, keys=spec.keys[:got], block_ids=spec.block_ids[: got * per])
 
-    def _write_layers(
-        self, load: _Load, specs: Sequence[LoadSpec], views: Sequence[torch.Tensor]
-    ) -> None:
-        if not views:
+    def _write_layers(self, load: _Load, groups: Sequence[tuple[HostBlocks, torch.Tensor]]) -> None:
+        if not groups:
             for event in load.ready:
                 event.set()
             return
-        model = self.namespace.model
-        layer_bytes = model.layout().layer_bytes
-        shape = (len(views), 2, model.num_kv_heads, self.block_tokens, model.head_dim)
-        targets = [self._targets(spec) for spec in specs]
-        block_ids = torch.cat([t[0] for t in targets])
-        write = torch.cat([t[1] for t in targets])
-        for index, layer in enumerate(self.layers):
-            start = index * layer_bytes
-            # [n, 2, kv_heads, block_tokens, head_dim]: layer ``index`` of every block
-            data = torch.stack([view[start : start + layer_bytes] for view in views])
-            blocks = data.view(self.dtype).view(shape).to(self.device, non_blocking=True)
+        writer = LayerWriter(groups, self.layers, self.namespace.model.layout().layer_bytes)
+        for index in range(len(self.layers)):
             with self._write_lock:
                 if load.cancelled:
                     return
-                scatter(layer, blocks[:, 0], blocks[:, 1], block_ids, write)
+                writer.write(index)
             load.ready[index].set()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the leases end on return
 
-    def _targets(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM block ids ``[n, per_block]`` and which of them to write."""
+    def _pages(self, spec: LoadSpec) -> torch.Tensor:
+        """vLLM block ids ``[n, per_block]`` of each stored block's parts; -1 for the parts
+        vLLM computes itself (before ``skip_before``)."""
         n, per = len(spec.keys), self.per_block
         ids = torch.tensor(spec.block_ids, dtype=torch.int64).view(n, per)
         sequence_index = spec.first_block * per + torch.arange(n * per).view(n, per)
-        on = self.device
-        return ids.to(on), (sequence_index >= spec.skip_before).to(on)
+        return torch.where(sequence_index >= spec.skip_before, ids, -1)
 
     def _cancel(self, load: _Load, why: str) -> None:
         with self._write_lock:

@@ -226,7 +226,9 @@ async def test_a_registered_arena_is_unregistered_on_close(monkeypatch) -> None:
     (arena,) = pinned_arenas(1)
     address = arena.array(0, 1).ctypes.data
     assert arena.pinned
-    assert registered == [(address, AREA_BYTES, 0x01 | 0x08)]  # portable, read-only
+    assert registered == [(address, AREA_BYTES, 0x01 | 0x02 | 0x08)]  # portable, mapped, read-only
+    mapped = arena.mapped()
+    assert mapped is not None and (mapped.address, mapped.nbytes) == (address, AREA_BYTES)
     out = bytearray(4096)
     await arena.copy_out([(0, 4096)], [out])
     await arena.aclose()

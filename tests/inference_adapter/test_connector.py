@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient, Namespace, block_keys
-from kvstore.inference_adapter import loader
+from kvstore.inference_adapter import transfer
 from kvstore.inference_adapter.connector import StoreConnector, namespace_for
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
@@ -71,12 +71,16 @@ def client(daemon: Daemon) -> Iterator[KVStoreClient]:
 
 
 def store_engine(
-    model: LlamaModel, client: KVStoreClient, tenant: str, **options: Any
+    model: LlamaModel, client: KVStoreClient, tenant: str, block_tokens: int = PAGE, **options: Any
 ) -> tuple[Engine, StoreConnector]:
     """An engine with a store connector in its own tenant (tests share one daemon)."""
     engine = Engine(model, num_pages=64, page_tokens=PAGE)
     namespace = namespace_for(
-        engine.config, model_name="tiny", block_tokens=PAGE, dtype=model.dtype, tenant=tenant
+        engine.config,
+        model_name="tiny",
+        block_tokens=block_tokens,
+        dtype=model.dtype,
+        tenant=tenant,
     )
     connector = StoreConnector(
         client,
@@ -238,10 +242,31 @@ def test_a_bf16_chat_through_the_store_answers_like_recompute(
     connector.close()
 
 
-def test_page_size_must_be_the_block_size(models: TinyModels, client: KVStoreClient) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_of_several_pages_load_into_their_pages_bit_exact(
+    models: TinyModels, any_plane_client: KVStoreClient, dtype: torch.dtype
+) -> None:
+    """Stored blocks of 3 pages (48 tokens): a chat's later turns load whole blocks into the
+    engine's 16-token pages, answer like recompute, and every loaded page holds the bits the
+    engine computed; the tokens past the last full block are computed."""
+    model = copy.deepcopy(models.engine).to(dtype)
+    tenant = f"three-pages-{dtype}-{any_plane_client.data_plane}"
+    engine, connector = store_engine(model, any_plane_client, tenant, block_tokens=3 * PAGE)
+    server = ChatServer(engine, connector=connector, sampling=SamplingParams(max_tokens=8))
+    for index, message in enumerate(MESSAGES[:4]):
+        turn = server.chat("frank", message)
+        assert connector.wait_for_saves(10.0)
+        assert turn.reply == recompute(model, turn.request.prompt, server.sampling).output
+        loaded = turn.request.num_loaded_tokens
+        assert loaded % (3 * PAGE) == 0 and (loaded > 0) == (index >= 2), loaded  # 45, 74 tokens
+    assert connector.stats().loaded_blocks > 0 and connector.stats().failed_loads == 0
+    connector.close()
+
+
+def test_page_size_must_divide_the_block_size(models: TinyModels, client: KVStoreClient) -> None:
     engine = Engine(models.engine, num_pages=8, page_tokens=PAGE)
-    namespace = namespace_for(engine.config, model_name="tiny", block_tokens=32)
-    with pytest.raises(ValueError, match=r"page_tokens \(16\).*block_tokens \(32\)"):
+    namespace = namespace_for(engine.config, model_name="tiny", block_tokens=24)
+    with pytest.raises(ValueError, match=r"page_tokens \(16\) must divide.*block_tokens \(24\)"):
         StoreConnector(
             client,
             namespace,
@@ -265,9 +290,9 @@ class Timeline:
         self.delay = 0.0
 
     def slow_load(self, real: Callable[..., None]) -> Callable[..., None]:
-        def load(staging: torch.Tensor, kv_pool: torch.Tensor, *args: Any) -> None:
+        def load(*args: Any) -> None:  # one call per layer
             time.sleep(self.delay)
-            real(staging, kv_pool, *args)
+            real(*args)
             self.loaded[len(self.loaded)] = time.perf_counter()
 
         return load
@@ -294,7 +319,7 @@ def test_layer_loads_overlap_compute_and_beat_load_all_then_compute(
     assert connector.wait_for_saves(10.0)
 
     timeline = Timeline()
-    monkeypatch.setattr(loader, "load_blocks", timeline.slow_load(loader.load_blocks))
+    monkeypatch.setattr(transfer, "load_layer", timeline.slow_load(transfer.load_layer))
     monkeypatch.setattr(model, "run_layer", timeline.slow_layer(model.run_layer))
     timeline.delay = 0.08
 
@@ -429,3 +454,29 @@ def test_a_stopped_daemon_means_recompute_not_errors(
         assert third.request.num_computed_tokens == len(third.request.prompt)
         assert third.reply == recompute(models.engine, third.request.prompt).output
         connector.close(timeout=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_pages", [1, 3])
+def test_on_cuda_a_pinned_arena_loads_by_kernel_and_answers_like_recompute(
+    models: TinyModels, daemon: Daemon, block_pages: int
+) -> None:
+    """The GPU load path: the client registers the arena (mapped) and the loader reads it
+    with one kernel per layer straight into the pool's pages; bf16 turns answer like
+    recompute on CUDA, token for token."""
+    model = copy.deepcopy(models.engine).to("cuda", torch.bfloat16)
+    with KVStoreClient(daemon.address, retries=0, timeout=5.0, pin_arena=True) as client:
+        tenant = f"cuda-{block_pages}"
+        engine, connector = store_engine(model, client, tenant, block_tokens=block_pages * PAGE)
+        server = ChatServer(engine, connector=connector, sampling=SamplingParams(max_tokens=8))
+        for message in MESSAGES:
+            turn = server.chat("gina", message)
+            assert connector.wait_for_saves(10.0)
+            assert turn.reply == recompute(model, turn.request.prompt, server.sampling).output
+        stats = connector.stats()
+        assert stats.loaded_blocks > 0 and stats.failed_loads == 0, stats
+        keys = block_keys(turn.request.prompt, connector.namespace)[:1]
+        with client.host_blocks(connector.namespace, keys) as blocks:
+            assert len(blocks) == 1 and blocks.mapped is not None  # read where it lies
+        connector.close()

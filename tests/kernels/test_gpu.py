@@ -95,3 +95,41 @@ def test_copy_rope_of_full_blocks_is_bit_exact(head_dim: int, dtype: torch.dtype
     save_blocks_reference(by_kernel, saved_reference, slots, positions, rope)
     assert torch.equal(saved_kernel, saved_reference)
     torch.testing.assert_close(saved_kernel.float(), staging.float(), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("page_tokens", [16, 256])
+def test_load_layer_reads_host_memory_straight_into_pages(page_tokens: int) -> None:
+    """1B-like blocks of 256 tokens scattered in pinned host memory (mapped under unified
+    addressing, as a registered arena is), one kernel per layer into 16- and 256-token pages
+    of our engine's pool layout, equal to the reference's copies on the CPU."""
+    from kvstore.client.tensors import HostMapped
+    from kvstore.kernels.transfer import load_layer_reference, load_layer_triton
+
+    heads, dim, block_tokens, num_blocks, layers = 8, 64, 256, 24, 2
+    per_block = block_tokens // page_tokens
+    block_shape = (layers, 2, heads, block_tokens, dim)
+    blocks = torch.randn(num_blocks, *block_shape).to(torch.bfloat16)
+    block_bytes = blocks[0].numel() * 2
+    arena = torch.zeros(block_bytes * 2 * num_blocks, dtype=torch.uint8).pin_memory()
+    offsets = torch.randperm(2 * num_blocks)[:num_blocks] * block_bytes
+    for block, offset in zip(blocks, offsets.tolist(), strict=True):
+        arena[offset : offset + block_bytes] = block.reshape(-1).view(torch.uint8)
+    num_pages = num_blocks * per_block + 5
+    pages = torch.randperm(num_pages)[: num_blocks * per_block].view(num_blocks, per_block)
+    source = HostMapped(arena.data_ptr(), arena.numel())
+    for layer in range(layers):
+        pool = torch.zeros(2, num_pages, page_tokens, heads, dim, dtype=torch.bfloat16)
+        expected = pool.clone()
+        at = offsets + layer * (block_bytes // layers)
+        load_layer_reference(
+            arena, at, expected[0].transpose(1, 2), expected[1].transpose(1, 2), pages
+        )
+        on_gpu = pool.to(CUDA)
+        load_layer_triton(
+            source,
+            at.to(CUDA),
+            on_gpu[0].transpose(1, 2),
+            on_gpu[1].transpose(1, 2),
+            pages.to(CUDA),
+        )
+        assert torch.equal(on_gpu.cpu(), expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,8 +26,9 @@ from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.results import PutStatus
 from kvstore.service import MAX_KEYS, BlockSpec, KVStoreService
 from kvstore.sessions import SessionServer
-from kvstore.shm_wire import Hello, session_path
+from kvstore.shm_wire import VERSION, Hello, SessionError, decode_hello, encode_hello, session_path
 from kvstore.store import BlockStore
+from kvstore.tiers.host import HostTier
 
 MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
                          dtype="float16", block_tokens=16)  # fmt: skip
@@ -90,6 +92,35 @@ async def session(service: KVStoreService) -> AsyncIterator[ShmSession]:
     opened = await ShmSession.open(str(service.sessions.path), Hello("", "alice", 1 << 20))
     yield opened
     await opened.aclose()
+
+
+async def test_a_session_that_pins_keeps_its_arenas_pages_while_it_lasts(
+    service: KVStoreService, store: BlockStore
+) -> None:
+    """A client that registers its arena with CUDA says so in its hello: the host tier keeps
+    that arena's pages from then until the session ends (tiers/host.py, keep_pages)."""
+    assert service.sessions is not None
+    host = store.tiers[0].tier
+    assert isinstance(host, HostTier)
+    path = str(service.sessions.path)
+    plain = await ShmSession.open(path, Hello("", "alice", 1 << 20))
+    pinned = [await ShmSession.open(path, Hello("", "alice", 1 << 20, pin=True)) for _ in "ab"]
+    assert (host.kept("alice"), host.kept("bob")) == (2, 0)
+    for session, left in [(pinned[0], 1), (plain, 1), (pinned[1], 0)]:
+        await session.aclose()
+        deadline = asyncio.get_running_loop().time() + 15
+        while host.kept("alice") != left:  # the daemon sees the socket close
+            assert asyncio.get_running_loop().time() < deadline, (host.kept("alice"), left)
+            await asyncio.sleep(0.05)
+
+
+def test_a_hellos_pin_is_true_or_false_and_absent_means_false() -> None:
+    assert decode_hello(encode_hello(Hello("t", "alice", 1, pin=True))).pin
+    line = json.dumps({"version": VERSION, "token": "", "tenant": "", "staging_bytes": 0})
+    assert not decode_hello(line.encode() + b"\n").pin  # a client from before the field
+    bad = json.dumps({"version": VERSION, "token": "", "tenant": "", "staging_bytes": 0, "pin": 1})
+    with pytest.raises(SessionError, match="pin must be true or false, got 1"):
+        decode_hello(bad.encode() + b"\n")
 
 
 def short_socket_dir() -> Path:

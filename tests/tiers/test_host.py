@@ -153,6 +153,28 @@ async def test_a_range_that_changes_partition_is_given_back_by_the_old_one() -> 
         assert await host.get(b"b") == b"B" * 4 * PAGE
 
 
+async def test_a_kept_partition_keeps_its_pages_until_released() -> None:
+    """A client registered A's arena with CUDA: the device reads the pages the registration
+    found, so a range A gives up keeps its pages (a refill would put new pages behind the
+    registration's back). Once released, the old rule holds again."""
+    async with HostTier(4 * PAGE, partition_of=lambda key: key[:1].decode()) as host:
+        a = host.arena("a")
+        host.keep_pages("a")
+        host.keep_pages("a")  # two clients
+        with mmap.mmap(a.fd, a.size, mmap.MAP_SHARED, mmap.PROT_READ) as seen_by_a:
+            for owner in [b"b", b"c"]:
+                await host.put(b"a", b"A" * 4 * PAGE)
+                await host.delete(b"a")
+                await host.put(owner, owner.upper() * 4 * PAGE)  # the range moves on
+                assert seen_by_a[0 : 4 * PAGE] == b"A" * 4 * PAGE  # the same pages, kept
+                await host.delete(owner)
+                host.release_pages("a")  # one client left; then none
+            await host.put(b"a", b"A" * 4 * PAGE)
+            await host.delete(b"a")
+            await host.put(b"b", b"B" * 4 * PAGE)
+            assert seen_by_a[0 : 4 * PAGE] == bytes(4 * PAGE)  # released: given back again
+
+
 def held_bytes(host: HostTier, partition: str) -> int:
     """Memory an arena's file holds (the kernel's count of its allocated pages)."""
     return os.fstat(host.arena(partition).fd).st_blocks * 512

@@ -11,7 +11,7 @@ def test_only_the_address_is_needed() -> None:
     settings = ConnectorSettings.from_extra_config({"address": "unix:/run/kvstore/kvstore.sock"})
     assert settings.tenant == "" and settings.token() is None and settings.block_tokens is None
     assert settings.lookup_timeout_s == 0.5 and settings.save_queue_blocks == 256
-    assert settings.use_shm and not settings.pin_arena
+    assert settings.use_shm and settings.pin_arena  # only acted on with CUDA
 
 
 def test_the_token_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:

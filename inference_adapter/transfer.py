@@ -1,0 +1,118 @@
+"""Leased blocks into an engine's pages, one layer at a time, for every engine alike.
+
+Both engines (ours, and vLLM's worker) describe an attention layer's pages as K and V views
+``[num_pages, kv_heads, page_tokens, head_dim]`` (:class:`LayerKV`, any strides), and a load
+as the blocks leased from the daemon (:class:`~kvstore.client.tensors.HostBlocks`: where they
+lie in host memory) with, per block, the pages its parts go to (``pages``:
+``[num_blocks, pages_per_block]`` int64, -1 where the engine computes the tokens itself; a
+stored block is ``pages_per_block`` pages). :meth:`LayerWriter.write` puts layer ``i`` of
+every block into its pages in one step:
+
+- CUDA, blocks in registered host memory (the pinned arena, or a pinned download): one
+  kernel launch reads them over the host link straight into the pages
+  (:func:`~kvstore.kernels.transfer.load_layer`): no staging copy, no copy per block;
+- CUDA, unregistered memory: the layer's slices are gathered on the host, sent in one copy,
+  and the same kernel scatters them on the device;
+- CPU: each page's rows are copied straight from the arena (one copy per byte).
+
+On CUDA the work is queued on the current stream; the caller orders it (a side stream and
+one event per layer) and must not release the lease before it is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.client.tensors import HostBlocks
+from kvstore.kernels.transfer import DeviceReadable, load_layer
+
+__all__ = ["LayerKV", "LayerWriter", "engine_layers"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """K and V views of one layer's pages: ``[num_pages, kv_heads, page_tokens, head_dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per page."""
+        return self.k.size(2)
+
+
+def engine_layers(kv_pool: torch.Tensor) -> list[LayerKV]:
+    """Our engine's pool ``[num_layers, 2, num_pages, page_tokens, kv_heads, head_dim]`` as
+    one :class:`LayerKV` per layer (views, no copy)."""
+    return [LayerKV(layer[0].transpose(1, 2), layer[1].transpose(1, 2)) for layer in kv_pool]
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    blocks: HostBlocks
+    offsets: torch.Tensor  # [n] int64 byte offsets, on the pages' device
+    pages: torch.Tensor  # [n, pages_per_block] int64, on the pages' device
+
+
+class LayerWriter:
+    """Writes layer after layer of leased blocks into their pages (see the module docstring).
+
+    Args:
+        groups: ``(blocks, pages)`` per lease: the blocks and ``[len(blocks),
+            pages_per_block]`` int64 pages for each (its leading rows when fewer blocks came).
+        layers: The engine's layers, in model order.
+        layer_bytes: Bytes of one layer of one block (the stored layout's).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[HostBlocks, torch.Tensor]],
+        layers: Sequence[LayerKV],
+        layer_bytes: int,
+    ) -> None:
+        self._layers = layers
+        self._layer_bytes = layer_bytes
+        device = layers[0].k.device
+        self._groups = [
+            _Group(
+                blocks,
+                torch.tensor(blocks.offsets, dtype=torch.int64).to(device, non_blocking=True),
+                pages[: len(blocks)].to(device, non_blocking=True),
+            )
+            for blocks, pages in groups
+            if len(blocks)
+        ]
+
+    @property
+    def direct(self) -> bool:
+        """Whether every block is read by the device where it lies (registered memory)."""
+        on_cuda = self._layers[0].k.is_cuda
+        return not on_cuda or all(g.blocks.mapped is not None for g in self._groups)
+
+    def write(self, layer: int) -> None:
+        """Layer ``layer`` of every block into its pages (queued on the current stream)."""
+        target = self._layers[layer]
+        start = layer * self._layer_bytes
+        for group in self._groups:
+            source, offsets = self._source(group, start, target.k.device)
+            load_layer(source, offsets, target.k, target.v, group.pages)
+
+    def _source(
+        self, group: _Group, start: int, device: torch.device
+    ) -> tuple[torch.Tensor | DeviceReadable, torch.Tensor]:
+        """Where the kernel (or the reference) reads layer slices from, and their offsets."""
+        blocks = group.blocks
+        if device.type != "cuda":
+            return blocks.source, group.offsets + start
+        if blocks.mapped is not None:
+            return blocks.mapped, group.offsets + start
+        # Unregistered host memory: the layer's slices, gathered here, cross in one copy.
+        size = self._layer_bytes
+        slices = [blocks.source[at + start : at + start + size] for at in blocks.offsets]
+        staged = torch.stack(slices).to(device).view(-1)
+        offsets = torch.arange(len(slices), dtype=torch.int64, device=device) * size
+        return staged, offsets

@@ -1,0 +1,110 @@
+"""``load_layer``: blocks scattered in host memory into paged K/V of every layout, one layer
+at a time; the Triton kernel (the interpreter here) bit-exact against the torch reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvstore.kernels.transfer import load_layer_reference, load_layer_triton
+
+Loader = Callable[..., None]
+IMPLEMENTATIONS: dict[str, Loader] = {"triton": load_layer_triton, "torch": load_layer_reference}
+# (kv_heads, head_dim, page_tokens, pages_per_block, num_blocks)
+SHAPES = {
+    "block-is-page": (2, 64, 16, 1, 3),
+    "block-spans-pages": (3, 32, 4, 4, 3),
+    "long-pages": (1, 16, 80, 1, 2),  # more tokens than one program's tile
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    arena: torch.Tensor  # flat uint8: every block, layer-major, at scattered offsets
+    blocks: torch.Tensor  # [num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]
+    offsets: torch.Tensor  # [num_blocks] int64 byte offset of each block
+    pages: torch.Tensor  # [num_blocks, pages_per_block] int64, some -1
+    layer_bytes: int
+
+
+def case(shape: str, dtype: torch.dtype, layers: int = 2) -> Case:
+    heads, head_dim, page_tokens, per_block, num_blocks = SHAPES[shape]
+    gen = torch.Generator().manual_seed(1)
+    block_shape = (layers, 2, heads, per_block * page_tokens, head_dim)
+    blocks = torch.randn(num_blocks, *block_shape, generator=gen).to(dtype)
+    block_bytes = blocks[0].numel() * blocks.element_size()
+    arena = torch.zeros(block_bytes * (2 * num_blocks + 1), dtype=torch.uint8)
+    slots = torch.randperm(2 * num_blocks, generator=gen)[:num_blocks]
+    offsets = slots * block_bytes + 64  # 4-byte aligned, not block aligned
+    for block, offset in zip(blocks, offsets.tolist(), strict=True):
+        arena[offset : offset + block_bytes] = block.reshape(-1).view(torch.uint8)
+    pages = torch.randperm(num_blocks * per_block + 3, generator=gen)[: num_blocks * per_block]
+    pages = pages.view(num_blocks, per_block).clone()
+    pages[0, -1] = -1
+    return Case(arena, blocks, offsets, pages, block_bytes // layers)
+
+
+def engine_pool(num_pages: int, heads: int, page_tokens: int, dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """Our engine's pool of one layer, ``[2, pages, page_tokens, heads, dim]``, as K/V views."""
+    pool = torch.full((2, num_pages, page_tokens, heads, dim), -7.0).to(dtype)
+    return pool, pool[0].transpose(1, 2), pool[1].transpose(1, 2)
+
+
+def vllm_split_hnd(num_pages: int, heads: int, page_tokens: int, dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    pool = torch.full((2, num_pages, heads, page_tokens, dim), -7.0).to(dtype)
+    return pool, pool[0], pool[1]
+
+
+def vllm_packed(num_pages: int, heads: int, page_tokens: int, dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    pool = torch.full((num_pages, heads, page_tokens, 2 * dim), -7.0).to(dtype)
+    return pool, pool[..., :dim], pool[..., dim:]
+
+
+LAYOUTS = {"engine": engine_pool, "split-hnd": vllm_split_hnd, "packed": vllm_packed}
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_layer_lands_in_its_pages_and_skipped_pages_are_untouched(
+    name: str, layout: str, shape: str, dtype: torch.dtype
+) -> None:
+    c = case(shape, dtype)
+    heads, dim, page_tokens, per_block, num_blocks = SHAPES[shape]
+    num_pages = num_blocks * per_block + 3
+    for layer in range(c.blocks.size(1)):
+        pool, k, v = LAYOUTS[layout](num_pages, heads, page_tokens, dim, dtype)
+        before = pool.clone()
+        offsets = c.offsets + layer * c.layer_bytes
+        IMPLEMENTATIONS[name](c.arena, offsets, k, v, c.pages)
+        written = torch.zeros(num_pages, dtype=torch.bool)
+        for b in range(num_blocks):
+            for p in range(per_block):
+                page = int(c.pages[b, p])
+                if page < 0:
+                    continue
+                written[page] = True
+                tokens = slice(p * page_tokens, (p + 1) * page_tokens)
+                assert torch.equal(k[page], c.blocks[b, layer, 0, :, tokens]), (b, p)
+                assert torch.equal(v[page], c.blocks[b, layer, 1, :, tokens]), (b, p)
+        # Pages no block names, and the skipped one, keep their bytes.
+        k_before, v_before = LAYOUTS[layout](num_pages, heads, page_tokens, dim, dtype)[1:]
+        assert torch.equal(k[~written], k_before[~written])
+        assert torch.equal(v[~written], v_before[~written])
+        assert pool.shape == before.shape
+
+
+def test_a_bad_argument_is_named() -> None:
+    c = case("block-is-page", torch.float32)
+    _, k, v = engine_pool(6, 2, 16, 64, torch.float32)
+    with pytest.raises(ValueError, match="pages must be"):
+        load_layer_reference(c.arena, c.offsets, k, v, c.pages.int())
+    with pytest.raises(ValueError, match="k and v must be"):
+        load_layer_reference(c.arena, c.offsets, k, v[:, :1], c.pages)
+    odd = torch.zeros(6, 2, 16, 3, dtype=torch.float16)  # 6-byte rows
+    with pytest.raises(ValueError, match="whole 4-byte words"):
+        load_layer_triton(c.arena, c.offsets, odd, odd.clone(), c.pages)
