@@ -22,9 +22,12 @@
 #      the client's CUDA tensors and pinned arena, and the vLLM connector's worker on CUDA
 #      tensors in the packed and split (NHD, HND) layouts against a real daemon;
 #   2. the layout unit tests again, on CUDA tensors (KVSTORE_TEST_DEVICE=cuda);
-#   3. python -m benchmarks.kernels --device cuda: kernel throughput against copy_ and SDPA.
+#   3. python -m benchmarks.kernels --device cuda: kernel throughput against copy_ and SDPA;
+#   4. kvstore bench gpu, 1B-like then 8B-like (prompts 2K-32K): TTFT of a store hit against
+#      recomputing, load and save rates against the host link's (bench-gpu-*.json).
 #
-# Budget: under 8 minutes on one H200 (pytest and the benchmark each have a timeout).
+# Budget: under 9 minutes on one H200 (each step has a timeout; a failed step does not stop
+# the others, and the exit status says whether any failed).
 # GPU_CHECK_ALLOW_CPU=1 runs the same plumbing without CUDA (the gpu tests then skip).
 # GPU_WHEELS (default build/gpu-wheels) and GPU_CHECK_BUILD (the tree's and the packages'
 # folder, default build) move them.
@@ -83,16 +86,23 @@ if missing:
 EOF
 
 status=0
-timeout 300 "$PY" -P -m pytest -p no:cacheprovider -m gpu -rs -q tests \
-    --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.txt" || status=1
+timeout 300 "$PY" -P -m pytest -p no:cacheprovider -m gpu -rs -q tests 2>&1 \
+    | tee "$OUT/gpu-tests.txt" || status=1
 KVSTORE_TEST_DEVICE=$DEVICE timeout 120 "$PY" -P -m pytest -p no:cacheprovider -q \
     tests/inference_adapter/vllm/test_layout.py 2>&1 | tee "$OUT/layout-$DEVICE.txt" || status=1
 if [ "$DEVICE" = cuda ]; then
-    timeout 180 "$PY" -P -m benchmarks.kernels --device cuda --json "$OUT/kernels.json" \
-        2>&1 | tee "$OUT/kernels.txt" || status=1
+    timeout 150 "$PY" -P -m benchmarks.kernels --device cuda 2>&1 | tee "$OUT/kernels.txt" \
+        || status=1
+    for model in 1b 8b; do
+        timeout 200 "$PY" -P -m kvstore bench gpu --model "$model" \
+            --json "$OUT/bench-gpu-$model.json" 2>&1 | tee "$OUT/bench-gpu-$model.txt" || status=1
+    done
 else
     timeout 180 "$PY" -P -m benchmarks.kernels --device cpu --size small --repeats 1 \
         2>&1 | tee "$OUT/kernels.txt" || status=1
+    timeout 180 "$PY" -P -m kvstore bench gpu --model test --dtype float32 --prompts 64,128 \
+        --block-tokens 16 --page-tokens 16 --repeats 1 --json "$OUT/bench-gpu-test.json" \
+        2>&1 | tee "$OUT/bench-gpu-test.txt" || status=1
 fi
 echo "gpu_check: exit $status; logs in $OUT"
 exit $status

@@ -151,7 +151,7 @@ def run_chat(args: argparse.Namespace) -> int:
     messages = _messages(args)
     with (
         _daemon(args.address) as address,
-        KVStoreClient(address, token=args.token, retries=1, timeout=10.0) as client,
+        KVStoreClient(address, token=args.token, retries=1, timeout=10.0, pin_arena=True) as client,
     ):
         connector = StoreConnector(
             client,

@@ -79,6 +79,8 @@ class AttentionBatch:
     """Where one forward step's tokens sit in the pool and what each one attends to.
 
     ``cu_seqlens_q`` is None for a decode step (one query per sequence, in batch order).
+    ``dense_lens`` is set when no sequence has a cached prefix: the new tokens are each
+    sequence's whole KV, so attention may run densely on them (``model.DENSE_PREFILL``).
     """
 
     positions: torch.Tensor  # [num_tokens] int64, RoPE positions of the new tokens
@@ -87,6 +89,8 @@ class AttentionBatch:
     block_tables: torch.Tensor  # [batch, max_pages] int32
     cu_seqlens_q: torch.Tensor | None  # [batch + 1] int32 query offsets; None: decode
     max_query_len: int
+    # Prefill from scratch: each sequence's length (= its query count), on the host; else None.
+    dense_lens: tuple[int, ...] | None = None
 
 
 def prefill_batch(
@@ -103,6 +107,7 @@ def prefill_batch(
         block_tables=table[None],
         cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
         max_query_len=num_tokens,
+        dense_lens=None if start else (num_tokens,),
     )
 
 

@@ -17,8 +17,10 @@
   token (``"token:*"`` in ``auth.tokens``) every tenant's, and only it may flush.
 - ``kvstore chat [...]`` runs the multi-turn chat (SmolLM2)
   (:mod:`kvstore.inference_adapter.demo`), ``kvstore bench chat [...]`` the end-to-end
-  benchmark (:mod:`kvstore.inference_adapter.bench`) and ``kvstore bench vllm [...]`` the
-  same through vLLM (:mod:`kvstore.inference_adapter.bench.vllm`); their modules, and
+  benchmark (:mod:`kvstore.inference_adapter.bench`), ``kvstore bench vllm [...]`` the
+  same through vLLM (:mod:`kvstore.inference_adapter.bench.vllm`) and ``kvstore bench gpu
+  [...]`` store hits against recompute on one device
+  (:mod:`kvstore.inference_adapter.bench.gpu`); their modules, and
   torch, load only when they run (without torch: a message naming the ``engine`` extra, exit
   status 2).
 
@@ -217,6 +219,11 @@ _DELEGATED = [
         "bench truncation",
         "kvstore.inference_adapter.bench.truncation",
         "bench truncation: perplexity and TTFT past a chat truncation, recompute vs reuse",
+    ),
+    (
+        "bench gpu",
+        "kvstore.inference_adapter.bench.gpu",
+        "bench gpu: TTFT of a store hit vs recompute, KV load and save rates vs the host link",
     ),
     (
         "dataset fetch",

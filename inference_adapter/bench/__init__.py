@@ -9,8 +9,11 @@ different tokens. :mod:`.report` turns the per-turn records into tables and JSON
 :mod:`.sharegpt` reads real ShareGPT V3 conversations for ``--dataset sharegpt``.
 
 The package's other benches: :mod:`.truncation` (``kvstore bench truncation``: perplexity of
-real replies past a chat truncation, SmolLM2, recompute vs reuse vs naive reuse) and
-:mod:`.vllm` (``kvstore bench vllm``, with the chat driver :mod:`.vllm_chat`).
+real replies past a chat truncation, SmolLM2, recompute vs reuse vs naive reuse),
+:mod:`.vllm` (``kvstore bench vllm``, with the chat driver :mod:`.vllm_chat`) and :mod:`.gpu`
+(``kvstore bench gpu``: store hits against recompute and the load and save rates against the
+host link, per prompt length, on one device; :mod:`.gpu_runs`, :mod:`.gpu_models`,
+:mod:`.gpu_report`, :mod:`.bandwidth`).
 
 Method, and what it leaves out:
 

@@ -237,7 +237,7 @@ class ChatBench:
         engine = engine or self.store_engine
         with (
             running_store(setup, self.scratch, redis_url=redis_url) as daemon,
-            KVStoreClient(daemon.address, retries=1, timeout=10.0) as client,
+            KVStoreClient(daemon.address, retries=1, timeout=10.0, pin_arena=True) as client,
         ):
             connector = StoreConnector(
                 client,

@@ -423,7 +423,7 @@ def run_bench(size: Size, model_file: Path, data_file: Path, *, seed: int) -> Re
     events: list[Event] = []
     with (
         running_store(STORE) as daemon,
-        KVStoreClient(daemon.address, retries=1, timeout=10.0) as client,
+        KVStoreClient(daemon.address, retries=1, timeout=10.0, pin_arena=True) as client,
         contextlib.closing(bench.connect(client)) as connector,
     ):
         for i, (conversation_id, turns) in enumerate(picked):

@@ -11,6 +11,7 @@ layout tests and the kernel benchmark run.
 
 from __future__ import annotations
 
+import json
 import os
 import site
 import subprocess
@@ -70,6 +71,8 @@ def test_it_runs_from_the_checkout_root_on_the_link_tree(dry_run: DryRun) -> Non
     assert " passed" in (dry_run.out / "layout-cpu.txt").read_text()
     assert " skipped" in (dry_run.out / "gpu-tests.txt").read_text()
     assert "decode attention" in (dry_run.out / "kernels.txt").read_text()
+    bench = json.loads((dry_run.out / "bench-gpu-test.json").read_text())
+    assert [row["same_tokens"] for row in bench["rows"]] == [True, True]
 
 
 def test_daemons_that_tests_start_there_run_the_link_tree(dry_run: DryRun) -> None:

@@ -17,10 +17,11 @@ from kvstore.inference_adapter import (
     load_model,
     read_config,
 )
+from kvstore.inference_adapter import model as model_module
 from kvstore.inference_adapter.model import SCRATCH_PAGE_TOKENS
-from kvstore.inference_adapter.pages import decode_batch, pages_for, prefill_batch
+from kvstore.inference_adapter.pages import AttentionBatch, decode_batch, pages_for, prefill_batch
 from kvstore.inference_adapter.weights import weight_files
-from kvstore.kernels import Llama3Scaling, RopeConfig, UnsupportedRopeScalingError
+from kvstore.kernels import Llama3Scaling, RopeConfig, UnsupportedRopeScalingError, slot_mapping
 from tests.inference_adapter.conftest import hf_model, save_tiny_model, tiny_config
 
 PROMPT = torch.randint(0, 192, (40,), generator=torch.Generator().manual_seed(3))
@@ -208,3 +209,77 @@ def test_head_dims_that_are_no_power_of_two_match_transformers(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0
     )
     assert request.output == hf[0, len(PROMPT) :].tolist()
+
+
+def packed_prefill(lengths: tuple[int, ...], page_tokens: int) -> tuple[AttentionBatch, int]:
+    """A prefill batch of sequences from scratch, packed back to back, each in its own pages;
+    and the pages they need."""
+    tables, first = [], 0
+    for length in lengths:
+        tables.append(list(range(first, first + pages_for(length, page_tokens))))
+        first += len(tables[-1])
+    width = max(map(len, tables))
+    block_tables = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int32)
+    slots = [
+        slot_mapping(torch.tensor(t), 0, n, page_tokens)
+        for t, n in zip(tables, lengths, strict=True)
+    ]
+    offsets = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    batch = AttentionBatch(
+        positions=torch.cat([torch.arange(n) for n in lengths]),
+        slots=torch.cat(slots),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32),
+        block_tables=block_tables,
+        cu_seqlens_q=offsets,
+        max_query_len=max(lengths),
+        dense_lens=lengths,
+    )
+    return batch, first
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_dense_prefill_matches_the_paged_kernels(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tolerance: float
+) -> None:
+    """Two GQA sequences from scratch: SDPA (CUDA's path, forced here; K/V heads repeated in
+    float32, SDPA's own GQA in bfloat16) gives the paged reference's logits within rounding,
+    and writes the same K/V into the pool."""
+    model = LlamaModel.from_config(LlamaConfig.from_dict(tiny_config()), seed=2, dtype=dtype)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    batch, num_pages = packed_prefill((23, 40), page_tokens=8)
+    ids = torch.randint(0, 192, (63,), generator=torch.Generator().manual_seed(4))
+    results = {}
+    for mode in ("never", "always"):
+        monkeypatch.setattr(model_module, "DENSE_PREFILL", mode)
+        pool = model.new_kv_pool(num_pages, 8)
+        results[mode] = (model.compute_logits(model(ids, batch, pool)), pool)
+    (paged, paged_pool), (dense, dense_pool) = results["never"], results["always"]
+    torch.testing.assert_close(dense, paged, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(dense_pool, paged_pool, atol=tolerance, rtol=tolerance)
+    assert not torch.equal(dense[:23], dense[23:46])  # two sequences, not one repeated
+
+
+def test_dense_prefill_runs_on_cuda_only_and_never_over_a_cached_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert model_module.uses_dense_prefill(torch.device("cuda"))
+    assert not model_module.uses_dense_prefill(torch.device("cpu"))  # CPU results unchanged
+    monkeypatch.setattr(model_module, "DENSE_PREFILL", "always")
+    assert model_module.uses_dense_prefill(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert prefill_batch([0, 1], 0, 12, 8, cpu).dense_lens == (12,)
+    assert prefill_batch([0, 1], 8, 4, 8, cpu).dense_lens is None  # attends over the pool
+    assert decode_batch([[0, 1]], [12], 8, cpu).dense_lens is None
+
+
+def test_the_engine_answers_alike_through_either_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = LlamaModel.from_config(LlamaConfig.from_dict(tiny_config()), seed=3)
+    outputs = {}
+    for mode in ("never", "always"):
+        monkeypatch.setattr(model_module, "DENSE_PREFILL", mode)
+        requests = [
+            Request(f"r{n}", PROMPT[:n].tolist(), SamplingParams(max_tokens=5)) for n in (9, 40)
+        ]
+        Engine(model, num_pages=16, page_tokens=8).generate(requests)
+        outputs[mode] = [request.output for request in requests]
+    assert outputs["always"] == outputs["never"]

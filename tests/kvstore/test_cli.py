@@ -230,7 +230,7 @@ def test_chat_command_is_delegated_lazily(capsys: pytest.CaptureFixture[str]) ->
 
 COMMANDS = [[], ["serve"], ["stats"], ["health"], ["namespaces"], ["evict"], ["flush"],
             ["chat"], ["bench"], ["bench", "chat"], ["bench", "vllm"], ["bench", "truncation"],
-            ["dataset"], ["dataset", "fetch"], ["model"]]  # fmt: skip
+            ["bench", "gpu"], ["dataset"], ["dataset", "fetch"], ["model"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda words: " ".join(words) or "kvstore")
@@ -251,7 +251,8 @@ def test_version_and_a_group_word_alone(capsys: pytest.CaptureFixture[str]) -> N
     assert exited.value.code == 0 and capsys.readouterr().out == f"kvstore {__version__}\n"
     assert main(["bench"]) == 2
     listed = capsys.readouterr().err
-    assert all(f"kvstore bench {word}:" in listed for word in ("chat", "vllm", "truncation"))
+    words = ("chat", "vllm", "truncation", "gpu")
+    assert all(f"kvstore bench {word}:" in listed for word in words)
 
 
 def test_a_reader_that_leaves_early_is_no_error() -> None:
