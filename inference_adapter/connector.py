@@ -383,7 +383,8 @@ class StoreConnector:
     def _gather(self, pages: Sequence[int], blocks: Sequence[int]) -> torch.Tensor:
         """Blocks of the pool as the store lays them out (K after RoPE, as the pool holds it)."""
         staging = staging_for(self.namespace, len(blocks), self._pool.kv_pool.device)
-        slots = page_slots(block_pages(pages, blocks, self._per_block), self._pool)
+        run = range(blocks[0], blocks[-1] + 1)  # a run of consecutive blocks
+        slots = page_slots(block_pages(pages, run, self._per_block), self._pool)
         save_blocks(self._pool.kv_pool, staging, slots)
         return staging
 

@@ -67,16 +67,16 @@ class PoolHandles:
         return self.kv_pool.size(0)
 
 
-def block_pages(pages: Sequence[int], blocks: Sequence[int], per_block: int) -> torch.Tensor:
-    """The pool pages of whole blocks ``blocks`` of a sequence whose pages are ``pages``.
+def block_pages(pages: Sequence[int], blocks: range, per_block: int) -> torch.Tensor:
+    """The pool pages of the consecutive blocks ``blocks`` of a sequence whose pages are
+    ``pages``.
 
     Returns:
         ``[len(blocks), per_block]`` int64 (CPU): block ``b`` is pages
         ``pages[b * per_block : (b + 1) * per_block]``.
     """
-    return torch.tensor(
-        [pages[b * per_block + p] for b in blocks for p in range(per_block)], dtype=torch.int64
-    ).view(len(blocks), per_block)
+    chosen = pages[blocks.start * per_block : blocks.stop * per_block]
+    return torch.tensor(chosen, dtype=torch.int64).view(len(blocks), per_block)
 
 
 def page_slots(block_pages: torch.Tensor, pool: PoolHandles) -> torch.Tensor:

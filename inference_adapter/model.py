@@ -33,9 +33,9 @@ are an ulp (relative 1e-7). On CUDA the Triton kernels and cuBLAS are not batch-
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 import torch
 import torch.nn.functional as F
@@ -223,6 +223,15 @@ class LlamaModel(nn.Module):
         self.tie_weights()
         # [max_position_embeddings, head_dim // 2] float32 cos and sin
         self.rope_tables = rope_tables(config.rope, config.max_position_embeddings, device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        """``to(device)`` and the like move the RoPE tables too (float32, never cast)."""
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        device = self.embed_tokens.weight.device
+        if self.rope_tables.cos.device != device:  # made anew: they may be on "meta"
+            config = self.config
+            self.rope_tables = rope_tables(config.rope, config.max_position_embeddings, device)
+        return self
 
     @classmethod
     def from_config(

@@ -283,3 +283,11 @@ def test_the_engine_answers_alike_through_either_prefill(monkeypatch: pytest.Mon
         Engine(model, num_pages=16, page_tokens=8).generate(requests)
         outputs[mode] = [request.output for request in requests]
     assert outputs["always"] == outputs["never"]
+
+
+def test_moving_the_model_moves_its_rope_tables() -> None:
+    """``model.to(device)`` (``meta`` here) takes the RoPE tables along, in float32."""
+    config = LlamaConfig.from_dict(tiny_config())
+    model = LlamaModel.from_config(config).to("meta", torch.bfloat16)
+    assert model.rope_tables.cos.device.type == "meta" == model.rope_tables.sin.device.type
+    assert model.rope_tables.cos.dtype == torch.float32
