@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,8 @@ from kvstore.inference_adapter.model import LlamaModel, load_model
 from kvstore.inference_adapter.sessions import ChatServer
 from kvstore.inference_adapter.weights import LlamaConfig
 from tests.inference_adapter.conftest import hf_model, tiny_config
-from tests.support.daemon import Daemon, running_daemon
+from tests.support.daemon import Daemon, running_daemon, scrape
+from tests.support.net import free_port
 
 PAGE = 16
 SAMPLING = SamplingParams(max_tokens=6)
@@ -279,6 +281,41 @@ def test_page_size_must_divide_the_block_size(models: TinyModels, client: KVStor
         StoreConnector(
             client, other, kv_pool=engine.kv_pool, page_tokens=PAGE, rope_tables=engine.rope_tables
         )
+
+
+def test_a_store_hit_costs_the_same_calls_whatever_its_length(
+    models: TinyModels, tmp_path: Path
+) -> None:
+    """One lookup at admission, one lease for the whole request: a hit of 3 blocks and one
+    of 14 make the same calls to the daemon (its Prometheus counts, per method)."""
+    port = free_port()
+    metrics = {"metrics": {"listen": f"127.0.0.1:{port}"}}
+    with (
+        running_daemon(tmp_path, host_capacity="64MiB", settings=metrics) as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=5.0) as client,
+    ):
+        engine, connector = store_engine(models.engine, client, "calls")
+        calls = []
+        for blocks in (3, 14):
+            prompt = torch.randint(0, 192, (blocks * PAGE + 1,)).tolist()
+            engine.generate([Request("save", prompt, SamplingParams(max_tokens=1))])
+            assert connector.wait_for_saves(10.0)
+            before = rpcs(scrape(port))
+            hit = Request("hit", prompt, SamplingParams(max_tokens=1))
+            engine.generate([hit])
+            assert hit.num_loaded_tokens == blocks * PAGE
+            calls.append(rpcs(scrape(port)) - before)
+        assert calls[0] == calls[1] == Counter(Lookup=1, Acquire=1, Release=1), calls
+        connector.close()
+
+
+def rpcs(metrics: dict[str, float]) -> Counter[str]:
+    """Calls per gRPC method, every status code together."""
+    calls: Counter[str] = Counter()
+    for name, value in metrics.items():
+        if name.startswith("kvstore_rpcs_total{"):
+            calls[name.split('method="')[1].split('"')[0]] += int(value)
+    return calls
 
 
 class Timeline:

@@ -34,7 +34,7 @@ from kvstore.client import (
 from kvstore.launch import kvstore_command
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from tests.support.daemon import Daemon, running_daemon
+from tests.support.daemon import Daemon, running_daemon, scrape
 from tests.support.net import free_port
 from tests.support.waiting import wait_for
 from tests.support.worker import BLOCK, NAMESPACE, SHARED_TOKENS, own_tokens, payload
@@ -249,16 +249,6 @@ def test_sigterm_during_start_up_closes_what_it_opened(tmp_path: Path) -> None:
             assert client.lookup(NAMESPACE, keys) == len(keys)
     finally:
         daemon.close()
-
-
-def scrape(port: int) -> dict[str, float]:
-    """``/metrics`` as ``{'name{labels}': value}``."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    return {name: float(value) for name, value in samples}
 
 
 def test_a_scrape_after_a_chat_shows_the_gets_and_hits_kvstore_stats_shows(

@@ -184,3 +184,13 @@ def _toml(sections: Mapping[str, Mapping[str, object]]) -> str:
         lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A daemon's ``/metrics`` (``[metrics] listen`` on ``port``) as ``{'name{labels}': value}``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
