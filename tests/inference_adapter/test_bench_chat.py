@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.inference_adapter import loader
+from kvstore.inference_adapter import transfer
 from kvstore.inference_adapter.bench import add_bench_parser, main
 from kvstore.inference_adapter.bench.chat import run_bench
 from kvstore.inference_adapter.bench.workloads import (
@@ -58,12 +58,16 @@ def test_the_smoke_bench_writes_tables_json_and_plots(tmp_path: Path) -> None:
 def test_the_bench_fails_loudly_when_the_store_serves_other_kv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real: Callable[..., None] = loader.load_blocks
+    real: Callable[..., None] = transfer.load_layer
 
-    def noisy(staging: torch.Tensor, *args: object, **kwargs: object) -> None:
-        real(torch.randn_like(staging) * 10, *args, **kwargs)  # wrong KV, right shape
+    def noisy(
+        source: object, offsets: object, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor
+    ) -> None:
+        real(source, offsets, k, v, pages)
+        written = pages[pages >= 0]
+        k[written] = torch.randn_like(k[written]) * 10  # wrong KV, right shape
 
-    monkeypatch.setattr(loader, "load_blocks", noisy)
+    monkeypatch.setattr(transfer, "load_layer", noisy)
     args = [*SMOKE, "--workloads", "sharegpt", "--no-sweep", "--no-plots"]
     assert main([*args, "--out", str(tmp_path / "out"), "--dir", str(tmp_path)]) == 1
     assert "generated other tokens than recompute" in capsys.readouterr().err
