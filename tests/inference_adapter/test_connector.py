@@ -32,6 +32,7 @@ from kvstore.inference_adapter.weights import LlamaConfig
 from tests.inference_adapter.conftest import hf_model, tiny_config
 from tests.support.daemon import Daemon, running_daemon, scrape
 from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 PAGE = 16
 SAMPLING = SamplingParams(max_tokens=6)
@@ -304,6 +305,9 @@ def test_a_store_hit_costs_the_same_calls_whatever_its_length(
             hit = Request("hit", prompt, SamplingParams(max_tokens=1))
             engine.generate([hit])
             assert hit.num_loaded_tokens == blocks * PAGE
+            # The loader's worker ends the lease after the last layer lands, so the engine
+            # may finish first: wait for the Release, then take every call made.
+            wait_for(lambda n=before["Release"]: rpcs(scrape(port))["Release"] > n, timeout=10.0)
             calls.append(rpcs(scrape(port)) - before)
         assert calls[0] == calls[1] == Counter(Lookup=1, Acquire=1, Release=1), calls
         connector.close()
