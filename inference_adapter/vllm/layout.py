@@ -20,8 +20,9 @@ The store keeps a block ``[num_layers, 2, kv_heads, block_tokens, head_dim]`` (k
 engine writes the same form) with K after RoPE, as vLLM holds it: block ``b`` of a chain at
 positions ``b * block_tokens ..``, the only positions a prefix hit loads it at, so a load
 gives vLLM back its own bits. A stored block spans ``block_tokens // block_size``
-consecutive vLLM blocks. :func:`gather` reads blocks of one layer into that form,
-:func:`scatter` writes them back; both are plain torch on the tensors' device.
+consecutive vLLM blocks. :func:`gather` reads blocks of one layer into that form (plain
+torch on the tensors' device); a load writes them back with
+:func:`kvstore.kernels.transfer.load_layer`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from kvstore.inference_adapter.transfer import LayerKV
 
-__all__ = ["LAYOUTS", "LayerKV", "gather", "layer_kv", "layout_of", "scatter"]
+__all__ = ["LAYOUTS", "LayerKV", "gather", "layer_kv", "layout_of"]
 
 LAYOUTS = ("cpu", "packed", "split")
 
@@ -90,37 +91,7 @@ def gather(layer: LayerKV, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return k, v
 
 
-def scatter(
-    layer: LayerKV,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_ids: torch.Tensor,
-    write: torch.Tensor | None = None,
-) -> None:
-    """Writes stored blocks of one layer into vLLM's blocks.
-
-    Args:
-        layer: The layer's views.
-        k, v: ``[n, kv_heads, block_tokens, head_dim]`` as :func:`gather` returns them.
-        block_ids: ``[n, per_block]`` int64, where each part of each stored block goes.
-        write: ``[n, per_block]`` bool, the parts to write (vLLM computed the others
-            itself); all when ``None``.
-    """
-    per_block = block_ids.size(1)
-    targets = block_ids.reshape(-1) if write is None else block_ids[write]
-    for source, part in ((k, layer.k), (v, layer.v)):
-        parts = _split(source, per_block)  # [n, per_block, kv_heads, block_size, head_dim]
-        chosen = parts.reshape(-1, *parts.shape[2:]) if write is None else parts[write]
-        part[targets] = chosen.to(part.dtype)
-
-
 def _join(parts: torch.Tensor) -> torch.Tensor:
     """``[n, per_block, heads, block_size, dim]`` -> ``[n, heads, per_block * block_size, dim]``."""
     n, per_block, heads, size, dim = parts.shape
     return parts.transpose(1, 2).reshape(n, heads, per_block * size, dim)
-
-
-def _split(blocks: torch.Tensor, per_block: int) -> torch.Tensor:
-    """The inverse of :func:`_join`."""
-    n, heads, tokens, dim = blocks.shape
-    return blocks.reshape(n, heads, per_block, tokens // per_block, dim).transpose(1, 2)
