@@ -149,23 +149,39 @@ def load_layer_reference(
 ) -> None:
     """Torch reference of :func:`load_layer_triton`: ``source`` a flat uint8 CPU tensor.
 
-    Each page that is written is one ``copy_`` of K's and one of V's rows, straight from the
-    source into the pages (one copy per byte).
+    Each run of consecutive pages a block goes to is one ``copy_`` of K's and one of V's
+    rows, straight from the source into the pages (one copy per byte; a block whose pages
+    follow each other is two copies).
     """
     _check(offsets, k, v, pages)
     if source.dtype != torch.uint8 or source.dim() != 1:
         raise ValueError(f"source must be a flat uint8 tensor, got {source.dtype} {source.shape}")
     _, heads, page_tokens, head_dim = k.shape
     per_block = pages.size(1)
-    # [2, kv_heads, pages_per_block, page_tokens, head_dim] of one block's layer
+    # [2, pages_per_block, kv_heads, page_tokens, head_dim] of one block's layer
     block_shape = (2, heads, per_block, page_tokens, head_dim)
     layer_bytes = k.element_size() * 2 * heads * per_block * page_tokens * head_dim
     for offset, targets in zip(offsets.tolist(), pages.tolist(), strict=True):
         block = source[offset : offset + layer_bytes].view(k.dtype).view(block_shape)
-        for index, page in enumerate(targets):
-            if page >= 0:
-                k[page].copy_(block[0, :, index])
-                v[page].copy_(block[1, :, index])
+        block = block.transpose(1, 2)
+        for first, page, count in _page_runs(targets):
+            k[page : page + count].copy_(block[0, first : first + count])
+            v[page : page + count].copy_(block[1, first : first + count])
+
+
+def _page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """``(first part, first page, count)`` of each run of consecutive pages (-1 skipped):
+    [4, 5, -1, 9] -> [(0, 4, 2), (3, 9, 1)]."""
+    runs: list[tuple[int, int, int]] = []
+    for index, page in enumerate(pages):
+        if page < 0:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == index and runs[-1][1] + runs[-1][2] == page:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((index, page, 1))
+    return runs
 
 
 def load_layer(

@@ -30,7 +30,9 @@ class Case:
     layer_bytes: int
 
 
-def case(shape: str, dtype: torch.dtype, layers: int = 2) -> Case:
+def case(shape: str, dtype: torch.dtype, layers: int = 2, runs: bool = False) -> Case:
+    """Blocks at scattered offsets; their pages scattered, or (``runs``) consecutive with one
+    skipped page in the first block (runs of pages that a skip and block ends cut)."""
     heads, head_dim, page_tokens, per_block, num_blocks = SHAPES[shape]
     gen = torch.Generator().manual_seed(1)
     block_shape = (layers, 2, heads, per_block * page_tokens, head_dim)
@@ -41,9 +43,12 @@ def case(shape: str, dtype: torch.dtype, layers: int = 2) -> Case:
     offsets = slots * block_bytes + 64  # 4-byte aligned, not block aligned
     for block, offset in zip(blocks, offsets.tolist(), strict=True):
         arena[offset : offset + block_bytes] = block.reshape(-1).view(torch.uint8)
-    pages = torch.randperm(num_blocks * per_block + 3, generator=gen)[: num_blocks * per_block]
-    pages = pages.view(num_blocks, per_block).clone()
-    pages[0, -1] = -1
+    if runs:
+        pages = torch.arange(3, 3 + num_blocks * per_block)
+    else:
+        pages = torch.randperm(num_blocks * per_block + 3, generator=gen)
+    pages = pages[: num_blocks * per_block].view(num_blocks, per_block).clone()
+    pages[0, min(1, per_block - 1) if runs else -1] = -1
     return Case(arena, blocks, offsets, pages, block_bytes // layers)
 
 
@@ -70,10 +75,11 @@ LAYOUTS = {"engine": engine_pool, "split-hnd": vllm_split_hnd, "packed": vllm_pa
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("runs", [False, True], ids=["scattered", "runs"])
 def test_every_layer_lands_in_its_pages_and_skipped_pages_are_untouched(
-    name: str, layout: str, shape: str, dtype: torch.dtype
+    name: str, layout: str, shape: str, dtype: torch.dtype, runs: bool
 ) -> None:
-    c = case(shape, dtype)
+    c = case(shape, dtype, runs=runs)
     heads, dim, page_tokens, per_block, num_blocks = SHAPES[shape]
     num_pages = num_blocks * per_block + 3
     for layer in range(c.blocks.size(1)):
