@@ -226,6 +226,11 @@ _DELEGATED = [
         "bench gpu: TTFT of a store hit vs recompute, KV load and save rates vs the host link",
     ),
     (
+        "bench blocks",
+        "kvstore.inference_adapter.bench.blocks",
+        "bench blocks: prefix hits on ShareGPT chats per store block size (the unsaved tail)",
+    ),
+    (
         "dataset fetch",
         "kvstore.inference_adapter.bench.sharegpt",
         "dataset fetch: download ShareGPT V3 for `kvstore bench chat --dataset sharegpt`",
