@@ -323,25 +323,35 @@ def rpcs(metrics: dict[str, float]) -> Counter[str]:
 
 
 class Timeline:
-    """Start and end times of layer loads and layer computes, from the injected delays."""
+    """When layer loads ended and layer computes ran; the load of layer i + 1 waits (up to
+    ``handshake_s``) for layer i's compute to start, and records whether it did: an engine
+    that overlaps them lets it, one that waits for every layer first cannot."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.handshake_s = 0.0
+        self.reset()
+
+    def reset(self) -> None:
         self.loaded: dict[int, float] = {}
         self.computing: dict[int, tuple[float, float]] = {}
-        self.delay = 0.0
+        self.started = [threading.Event() for _ in range(self.layers)]
+        self.overlapped: dict[int, bool] = {}
 
     def slow_load(self, real: Callable[..., None]) -> Callable[..., None]:
         def load(*args: Any) -> None:  # one call per layer
-            time.sleep(self.delay)
+            layer = len(self.loaded)
+            if layer:
+                self.overlapped[layer] = self.started[layer - 1].wait(self.handshake_s)
             real(*args)
-            self.loaded[len(self.loaded)] = time.perf_counter()
+            self.loaded[layer] = time.perf_counter()
 
         return load
 
     def slow_layer(self, real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run_layer(layer: int, *args: Any) -> torch.Tensor:
             start = time.perf_counter()
-            time.sleep(self.delay)
+            self.started[layer].set()
             out = real(layer, *args)
             self.computing[layer] = (start, time.perf_counter())
             return out
@@ -359,25 +369,24 @@ def test_layer_loads_overlap_compute(
     engine.generate([Request("store", prompt, SamplingParams(max_tokens=1))])
     assert connector.wait_for_saves(10.0)
 
-    timeline = Timeline()
+    timeline = Timeline(layers)
     monkeypatch.setattr(transfer, "load_layer", timeline.slow_load(transfer.load_layer))
     monkeypatch.setattr(model, "run_layer", timeline.slow_layer(model.run_layer))
-    timeline.delay = 0.08
 
-    def cached_prefill(name: str) -> Request:
-        timeline.loaded.clear()
-        timeline.computing.clear()
+    def cached_prefill(name: str, handshake_s: float) -> Request:
+        timeline.reset()
+        timeline.handshake_s = handshake_s
         request = Request(name, [*prompt, 5], SamplingParams(max_tokens=1))
         engine.generate([request])
         assert request.num_loaded_tokens == 96
         return request
 
-    overlapped = cached_prefill("overlapped")
+    # Within the connector's load timeout: an overlapping engine never makes a load wait it.
+    overlapped = cached_prefill("overlapped", handshake_s=connector.load_timeout_s / layers)
     for layer in range(layers):  # never computed before its KV is in the pool ...
         assert timeline.computing[layer][0] >= timeline.loaded[layer]
     # ... and layer i computes while layer i + 1 is still loading.
-    assert timeline.computing[0][0] < timeline.loaded[1]
-    assert timeline.computing[1][0] < timeline.loaded[2]
+    assert timeline.overlapped == dict.fromkeys(range(1, layers), True)
 
     wait = connector.wait_for_layer_load  # now: wait for every layer before layer 0
 
@@ -385,8 +394,9 @@ def test_layer_loads_overlap_compute(
         return wait(request, layers - 1) and wait(request, layer)
 
     monkeypatch.setattr(connector, "wait_for_layer_load", load_all_first)
-    sequential = cached_prefill("sequential")
-    assert timeline.computing[0][0] >= timeline.loaded[layers - 1]  # the control's order
+    sequential = cached_prefill("sequential", handshake_s=0.05)
+    assert timeline.computing[0][0] >= timeline.loaded[layers - 1]  # the control's order ...
+    assert timeline.overlapped == dict.fromkeys(range(1, layers), False)  # ... is seen
     # What overlap saves is measured by the benchmarks: timed comparisons flake here.
     assert overlapped.output == sequential.output
     connector.close()
