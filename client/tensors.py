@@ -136,14 +136,16 @@ def empty(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
 
 def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, pinned: bool) -> None:
     """``dst.copy_(src)`` for each ``(src, dst)`` pair of flat uint8 tensors, one of them on a
-    device; with ``pinned`` (the host side is page-locked) copies to CUDA are queued without
-    waiting, and all are finished when this returns (the host memory may be reused then)."""
+    device; with ``pinned`` (the host side is page-locked) copies between it and CUDA, either
+    way, are queued without waiting, and all are finished when this returns (the host memory
+    holds the bytes, or may be reused)."""
     waiting: set[torch.device] = set()
     for src, dst in pairs:
-        non_blocking = pinned and dst.device.type == "cuda" and src.device.type == "cpu"
+        device = dst.device if dst.is_cuda else src.device
+        non_blocking = pinned and device.type == "cuda" and (src.is_cuda != dst.is_cuda)
         dst.copy_(src, non_blocking=non_blocking)
         if non_blocking:
-            waiting.add(dst.device)
+            waiting.add(device)
     for device in waiting:
         torch.cuda.current_stream(device).synchronize()
 

@@ -56,7 +56,7 @@ from kvstore.inference_adapter.loader import (
     page_slots,
     staging_for,
 )
-from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue
+from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue, to_host
 from kvstore.inference_adapter.weights import LlamaConfig
 from kvstore.kernels import RopeTables, save_blocks
 
@@ -267,10 +267,12 @@ class StoreConnector:
             if not self._saves.has_room(len(run)):
                 self._count("dropped_saves", len(run))
                 continue
+            blocks, ready = to_host(self._gather(pages, run))
             job = SaveJob(
                 keys=tuple(keys[b] for b in run),
                 parent=keys[run[0] - 1] if run[0] else ROOT_KEY,
-                blocks=self._gather(pages, run),
+                blocks=blocks,
+                ready=ready,
             )
             if self._saves.offer(job):
                 plan.known.update(job.keys)

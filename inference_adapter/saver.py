@@ -1,14 +1,18 @@
 """The bounded save queue: new blocks go to the daemon without ever blocking the engine.
 
-The connector gathers a request's new full blocks from the pool (K un-rotated) into a staging
-tensor and offers it here as a :class:`SaveJob`. A background thread ``put``s jobs in order.
+The connector gathers a request's new full blocks from the pool (K as the pool holds it) into
+a staging tensor and offers it here as a :class:`SaveJob`. On CUDA the staging tensor is
+page-locked host memory that a device-to-host copy queued on the engine's stream fills
+(:func:`to_host`): the job carries the event recorded after that copy, and the engine never
+waits for it; the queue's thread waits for the event, then ``put``s. A background thread
+``put``s jobs in order.
 The queue holds at most ``capacity`` blocks: an offer that does not fit is refused at once
 (the connector counts the blocks as dropped) rather than waiting for room, so a slow or
 absent daemon costs the engine nothing but cache misses later.
 
 Primitives: ``has_room(n)`` -> bool, ``room()`` -> blocks, ``offer(job)`` -> bool (refused
 when full), ``drain(timeout)`` -> bool (everything offered so far was handled), ``close()``;
-counters in :class:`SaveCounts`.
+counters in :class:`SaveCounts`; ``to_host(blocks)`` -> (host blocks, event or None).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from kvstore.client import Namespace, WriteStatus
 
-__all__ = ["Putter", "SaveCounts", "SaveJob", "SaveQueue"]
+__all__ = ["Putter", "SaveCounts", "SaveJob", "SaveQueue", "to_host"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,20 @@ class SaveJob:
     keys: tuple[bytes, ...]
     parent: bytes  # the key before keys[0] (ROOT_KEY for block 0)
     blocks: torch.Tensor  # [len(keys), num_layers, 2, num_kv_heads, block_tokens, head_dim]
+    ready: torch.cuda.Event | None = None  # recorded once ``blocks`` holds the KV (CUDA)
+
+
+def to_host(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``blocks`` in host memory without waiting: on CUDA a new page-locked tensor that a
+    copy queued on the current stream fills, and the event recorded after it; on the CPU
+    ``blocks`` themselves and None."""
+    if not blocks.is_cuda:
+        return blocks, None
+    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+    host.copy_(blocks, non_blocking=True)
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record(torch.cuda.current_stream(blocks.device))
+    return host, ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +159,8 @@ class SaveQueue:
 
     def _put(self, job: SaveJob) -> collections.Counter[str]:
         try:
+            if job.ready is not None:
+                job.ready.synchronize()
             statuses = self._client.put(
                 self._namespace, job.keys, list(job.blocks), parent=job.parent
             )

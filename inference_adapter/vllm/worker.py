@@ -20,10 +20,12 @@ Per step, in vLLM's order:
    vLLM holds them (on a copy thread of its own on the CPU, on the caller's stream on CUDA). The
    blocks a step saves are chosen when their first layer is captured: only as many as the
    bounded save queue takes; the rest are dropped and counted.
-4. ``finish_step()`` (``wait_for_save``): waits for the copies and hands the staged blocks
-   to the save queue, whose thread puts them while vLLM runs the next step. On CUDA the
-   copies out are synchronised first. Either way no vLLM block is read after the step:
-   vLLM may free or reuse it at once.
+4. ``finish_step()`` (``wait_for_save``): hands the staged blocks to the save queue, whose
+   thread puts them while vLLM runs the next step. On the CPU it waits for the copy thread
+   first; on CUDA it waits for nothing: the job carries an event recorded on vLLM's stream
+   after the copies out, which the queue's thread waits for. Either way no vLLM block is
+   read after the step's work: a later write to it (vLLM freeing and reusing it) is queued
+   on the same stream, after the copies.
 """
 
 from __future__ import annotations
@@ -268,10 +270,12 @@ class WorkerSide:
         if failed:
             self.counts["dropped_saves"] += sum(len(spec.keys) for spec, _ in staged)
             return
+        ready = None  # on CUDA: the copies out are queued on vLLM's stream, not waited for
         if staged and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(torch.cuda.current_stream(self.device))
         for spec, staging in staged:
-            job = SaveJob(keys=spec.keys, parent=spec.parent, blocks=staging)
+            job = SaveJob(keys=spec.keys, parent=spec.parent, blocks=staging, ready=ready)
             if self._saves.offer(job):
                 self.counts["queued_saves"] += len(spec.keys)
             else:

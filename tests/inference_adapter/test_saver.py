@@ -1,0 +1,76 @@
+"""The save queue against a real daemon: jobs put in order, the KV's event waited for first,
+a full queue refusing at once; ``to_host`` on the CPU and (where there is one) on CUDA."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.inference_adapter.saver import SaveJob, SaveQueue, to_host
+from tests.support.daemon import running_daemon
+
+MODEL = ModelFingerprint("saver", 2, 2, 16, "float32", block_tokens=4)
+NAMESPACE = Namespace(MODEL, tenant="saver")
+
+
+def blocks(count: int) -> torch.Tensor:
+    shape = (count, MODEL.num_layers, 2, MODEL.num_kv_heads, MODEL.block_tokens, MODEL.head_dim)
+    return torch.randn(shape)
+
+
+class Ready:
+    """Stands in for a CUDA event on the CPU: ``synchronize`` blocks until ``fire()``."""
+
+    def __init__(self) -> None:
+        self.fired = threading.Event()
+        self.waited = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self.fired.wait(10.0)
+
+    def fire(self) -> None:
+        self.fired.set()
+
+
+def test_a_job_is_put_only_once_its_kv_is_ready(tmp_path: Path) -> None:
+    keys = block_keys(list(range(8)), NAMESPACE)
+    data = blocks(2)
+    with (
+        running_daemon(tmp_path, host_capacity="16MiB") as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=5.0) as client,
+    ):
+        queue = SaveQueue(client, NAMESPACE, capacity=4)
+        ready = Ready()
+        late = data.clone()
+        job = SaveJob(tuple(keys), ROOT_KEY, late, ready=ready)  # type: ignore[arg-type]
+        assert queue.offer(job)
+        assert ready.waited.wait(10.0)
+        late.copy_(data * 2)  # what the device copy would land before the event fires
+        assert not queue.drain(0.2)  # still waiting for the event: nothing put
+        assert client.lookup(NAMESPACE, keys) == 0
+        ready.fire()
+        assert queue.drain(10.0) and queue.counts.stored == 2
+        got = client.get(NAMESPACE, keys)
+        assert all(bytes(block) == (data[i] * 2).numpy().tobytes() for i, block in enumerate(got))
+        queue.close()
+
+
+def test_to_host_on_the_cpu_is_the_tensor_itself() -> None:
+    data = blocks(1)
+    host, ready = to_host(data)
+    assert host is data and ready is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_host_on_cuda_fills_pinned_memory_by_the_event() -> None:
+    data = blocks(3).cuda()
+    host, ready = to_host(data)
+    assert host.is_pinned() and not host.is_cuda and ready is not None
+    ready.synchronize()
+    assert torch.equal(host, data.cpu())
