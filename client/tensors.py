@@ -108,8 +108,10 @@ def flat_bytes(tensor: torch.Tensor) -> Bytes | torch.Tensor:
     """
     if not tensor.is_contiguous():
         raise ValueError(f"tensor must be contiguous, got strides {tensor.stride()}")
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    if flat.device.type != "cpu":
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    flat = tensor.view(-1).view(torch.uint8)  # ~1.5 us of the ~4 a block cost in all
+    if not flat.is_cpu:
         return flat
     array: Bytes = flat.numpy()
     return array
