@@ -456,11 +456,17 @@ def table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
 
 
 THROUGHPUT = ("path", "op", "block size", "blocks", "GB/s", "limit GB/s", "limit name", "ratio",
-              "target", "pass/fail")  # fmt: skip
+              "us/block beyond", "target", "pass/fail")  # fmt: skip
 LATENCY = ("op", "keys", "calls", "p50 ms", "p99 ms", "limit p50 ms", "limit p99 ms",
            "limit name", "target", "pass/fail")  # fmt: skip
-NUMERIC = {"blocks", "GB/s", "limit GB/s", "ratio", "target", "keys", "calls", "p50 ms", "p99 ms",
-           "limit p50 ms", "limit p99 ms"}  # fmt: skip
+NUMERIC = {"blocks", "GB/s", "limit GB/s", "ratio", "us/block beyond", "target", "keys", "calls",
+           "p50 ms", "p99 ms", "limit p50 ms", "limit p99 ms"}  # fmt: skip
+
+
+def throughput_cells(row: Row) -> tuple[str, ...]:
+    """``cells`` with the microseconds per block beyond the limit after the ratio."""
+    common = cells(row)
+    return (*common[:8], f"{row.us_beyond_limit:.1f}", *common[8:])
 
 
 def latency_cells(row: Latency) -> tuple[str, ...]:
@@ -476,7 +482,7 @@ def render(rows: Sequence[Row], latencies: Sequence[Latency], about: dict[str, s
             "method: median of timed rounds after 1 warm-up round, one call per chain of N"
             " blocks; GB/s = 1e9 bytes/s",
             "",
-            *table(THROUGHPUT, [cells(row) for row in rows]),
+            *table(THROUGHPUT, [throughput_cells(row) for row in rows]),
             "",
             *table(LATENCY, [latency_cells(row) for row in latencies]),
         ]
@@ -521,7 +527,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def as_json(row: Row) -> dict[str, object]:
     fields = asdict(row)
-    return {"path": fields.pop("tier"), **fields, "ratio": row.ratio, "pass_fail": row.verdict}
+    return {"path": fields.pop("tier"), **fields, "ratio": row.ratio,
+            "us_per_block_beyond_limit": row.us_beyond_limit, "pass_fail": row.verdict}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -97,6 +97,9 @@ if [ "$DEVICE" = cuda ]; then
         timeout 200 "$PY" -P -m kvstore bench gpu --model "$model" \
             --json "$OUT/bench-gpu-$model.json" 2>&1 | tee "$OUT/bench-gpu-$model.txt" || status=1
     done
+    # One page per block against the default 256 tokens: what the block size costs the load.
+    timeout 150 "$PY" -P -m kvstore bench gpu --model 1b --block-tokens 16 --prompts 2048,8192 \
+        --json "$OUT/bench-gpu-1b-16.json" 2>&1 | tee "$OUT/bench-gpu-1b-16.txt" || status=1
 else
     timeout 180 "$PY" -P -m benchmarks.kernels --device cpu --size small --repeats 1 \
         2>&1 | tee "$OUT/kernels.txt" || status=1

@@ -108,6 +108,11 @@ class Row:
         return self.gbps / self.limit_gbps
 
     @property
+    def us_beyond_limit(self) -> float:
+        """Microseconds per block the op spends beyond its limit (from the two rates)."""
+        return self.block_bytes / 1e3 * (1 / self.gbps - 1 / self.limit_gbps)
+
+    @property
     def verdict(self) -> str:
         if self.target is None:
             return "info"

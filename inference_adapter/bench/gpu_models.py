@@ -4,7 +4,10 @@
 heads of 64, intermediate 8192, tied embeddings, llama3 RoPE scaling: 32 KiB of KV per token
 in bfloat16), ``8b`` Llama-3-8B's (32 layers, hidden 4096, 32 over 8 heads of 128,
 intermediate 14336: 128 KiB per token), both with the 128,256-token vocabulary; ``test`` is
-tiny, for the CPU. ``random_model`` draws the weights as ``LlamaModel.from_config`` does
+tiny, for the CPU. ``1b-kv`` keeps the 1B shape's KV (16 layers, 8 KV heads of 64: the same
+32 KiB per token, so the same bytes to load) around a small model (hidden 512, 8 query heads,
+intermediate 1024, 192 tokens): on the CPU it measures the load of a long prompt without
+minutes of prefill per row. ``random_model`` draws the weights as ``LlamaModel.from_config`` does
 (N(0, 0.02), norms at one) but on the model's device in its dtype, with the device's own
 generator: ``from_config`` draws every weight on the CPU in float32, 32 GB and minutes for
 the 8B shape. The weights differ from ``from_config``'s; only their shapes matter here.
@@ -34,6 +37,16 @@ MODELS: dict[str, dict[str, object]] = {
         "head_dim": 16,
         "vocab_size": 192,
         "rope_theta": 10000.0,
+    },
+    "1b-kv": {
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 192,
+        "rope_theta": 500000.0,
     },
     "1b": {
         **_LLAMA3,

@@ -105,7 +105,8 @@ def test_blocks_of_several_pages(tmp_path: Path) -> None:
 
 def test_the_model_shapes_are_llama_s() -> None:
     one_b, eight_b = model_config("1b", 32000), model_config("8b", 32000)
-    for config, kib in ((one_b, 32), (eight_b, 128)):  # KV per token in bfloat16
+    one_b_kv = model_config("1b-kv", 32000)  # the 1B shape's KV around a small model
+    for config, kib in ((one_b, 32), (eight_b, 128), (one_b_kv, 32)):  # KV per token, bf16
         assert (
             2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
             == kib << 10
@@ -113,7 +114,7 @@ def test_the_model_shapes_are_llama_s() -> None:
     assert one_b.tie_word_embeddings and not eight_b.tie_word_embeddings
     assert eight_b.intermediate_size == 14336 and one_b.vocab_size == 128256
     model = random_model(model_config("test", 64), torch.bfloat16, torch.device("cpu"))
-    assert model.dtype == torch.bfloat16 and set(MODELS) == {"test", "1b", "8b"}
+    assert model.dtype == torch.bfloat16 and set(MODELS) == {"test", "1b-kv", "1b", "8b"}
     assert all(param.std() > 0 for name, param in model.named_parameters() if "norm" not in name)
 
 
