@@ -158,7 +158,8 @@ def test_a_dead_daemon_fails_the_load_for_recompute_without_waiting(tmp_path: Pa
     keys = block_keys(list(range(1, BLOCK_TOKENS + 1)), namespace)
     started = time.monotonic()
     step(loader, StepPlan(loads=(LoadSpec("r", tuple(keys), 0, (3, 4), 0),)), lambda layer: None)
-    assert time.monotonic() - started < 5.0
+    # Refused at once, not after the load's timeout (10 s): half of it is the bound.
+    assert time.monotonic() - started < loader.load_timeout_s / 2
     assert loader.take_failed_blocks() == {3, 4}
     assert not any(layer.k.any() or layer.v.any() for layer in target)
     # Saves to a dead daemon are counted as failed, never raised into the step.
