@@ -115,7 +115,13 @@ async def test_reads_stay_right_while_primaries_are_killed_and_rejoin(
             assert seen["hit"] > 1000 and seen["miss"] > 0 and seen["stored"] > 500
             assert seen["not stored"] > 0  # the capacity was reached: refusals ran too
             # An outage is told once per node that goes down, not once per call.
-            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            # The tier's own records: a pending task an earlier test left, collected now,
+            # logs through asyncio and is no part of this.
+            warnings = [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno >= logging.WARNING and r.name.startswith("kvstore.tiers.redis")
+            ]
             calls = sum(seen.values())
             assert 0 < len(warnings) <= 2 * len(cluster.ports) * KILLS < calls / 100, warnings
             assert all("unreachable" in line and "chaos:" not in line for line in warnings)
