@@ -121,7 +121,7 @@ def bench_copy(
     blocks: int, layers: int, dtype: torch.dtype, device: torch.device, repeats: int
 ) -> list[Row]:
     staging = torch.randn(
-        blocks, layers, 2, NUM_KV_HEADS, BLOCK_TOKENS, HEAD_DIM, device=device
+        blocks, layers, 2, BLOCK_TOKENS, NUM_KV_HEADS, HEAD_DIM, device=device
     ).to(dtype)
     num_pages = blocks * BLOCK_TOKENS // PAGE_TOKENS + 1
     pool = torch.zeros(

@@ -406,7 +406,7 @@ class AsyncKVStoreClient:
             keys: A contiguous key chain; ``keys[i]``'s parent is ``keys[i - 1]``.
             blocks: One raw payload per key, ``layout.payload_bytes`` each: buffers, or
                 contiguous tensors on any device
-                (``[num_layers, 2, num_kv_heads, block_tokens, head_dim]``).
+                (``[num_layers, 2, block_tokens, num_kv_heads, head_dim]``).
             parent: The key before ``keys[0]``; ``ROOT_KEY`` when ``keys[0]`` is block 0.
 
         Returns:

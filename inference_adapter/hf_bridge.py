@@ -92,7 +92,7 @@ class KVStoreCache(DynamicCache):
             return 0
         if not payloads:
             return 0
-        staging = self._as_blocks(payloads)  # [n, num_layers, 2, kv_heads, bt, head_dim]
+        staging = self._as_blocks(payloads)  # [n, num_layers, 2, bt, kv_heads, head_dim]
         for layer in range(staging.size(1)):
             k, v = (_as_sequence(staging[:, layer, i]) for i in (0, 1))  # [kv_heads, seq, head_dim]
             self.update(k[None].contiguous(), v[None].contiguous(), layer)
@@ -143,15 +143,14 @@ class KVStoreCache(DynamicCache):
             k = keys[0, :, start:end]  # [kv_heads, seq, head_dim], after RoPE
             v = values[0, :, start:end]
             layers.append(torch.stack((_as_blocks_of(k, bt), _as_blocks_of(v, bt)), dim=1))
-        # [n, num_layers, 2, kv_heads, bt, head_dim]
+        # [n, num_layers, 2, bt, kv_heads, head_dim]
         return torch.stack(layers, dim=1).contiguous()
 
     def _as_blocks(self, payloads: list[bytes]) -> torch.Tensor:
         model = self.namespace.model
         dtype = getattr(torch, model.dtype)
         flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=dtype)
-        shape = (len(payloads), model.num_layers, 2, model.num_kv_heads, model.block_tokens)
-        return flat.view(*shape, model.head_dim).to(self._device)
+        return flat.view(len(payloads), *model.layout().shape).to(self._device)
 
 
 def generate_with_store(
@@ -190,11 +189,11 @@ def _single_row(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _as_sequence(blocks: torch.Tensor) -> torch.Tensor:
-    """``[n, kv_heads, bt, head_dim]`` -> ``[kv_heads, n * bt, head_dim]``."""
-    return blocks.permute(1, 0, 2, 3).flatten(1, 2)
+    """``[n, bt, kv_heads, head_dim]`` -> ``[kv_heads, n * bt, head_dim]``."""
+    return blocks.flatten(0, 1).transpose(0, 1)
 
 
 def _as_blocks_of(seq: torch.Tensor, bt: int) -> torch.Tensor:
-    """``[kv_heads, n * bt, head_dim]`` -> ``[n, kv_heads, bt, head_dim]``."""
+    """``[kv_heads, n * bt, head_dim]`` -> ``[n, bt, kv_heads, head_dim]``."""
     heads, length, dim = seq.shape
-    return seq.reshape(heads, length // bt, bt, dim).permute(1, 0, 2, 3)
+    return seq.transpose(0, 1).reshape(length // bt, bt, heads, dim)

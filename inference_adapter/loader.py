@@ -103,7 +103,7 @@ def move_k(
     """K rotated to ``stored_at``, re-rotated to ``positions`` (one rounding: float32 between).
 
     Args:
-        k: ``[..., block_tokens, head_dim]``, K after RoPE.
+        k: ``[..., head_dim]``, K after RoPE.
         stored_at: Positions K is rotated to, broadcastable to ``k.shape[:-1]``.
         positions: Where the tokens sit now, the same shape.
         rope: The tables K was rotated with.
@@ -116,11 +116,15 @@ def move_k(
     return torch.where((stored_at == positions)[..., None], k, moved)
 
 
-def staging_for(namespace: Namespace, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """An empty staging buffer ``[num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]``."""
+def staging_for(
+    namespace: Namespace, num_blocks: int, device: torch.device | str, *, pinned: bool = False
+) -> torch.Tensor:
+    """An empty staging buffer ``[num_blocks, num_layers, 2, block_tokens, kv_heads,
+    head_dim]`` (the stored layout with a block axis); ``pinned``: page-locked host memory."""
     model = namespace.model
-    shape = (num_blocks, model.num_layers, 2, model.num_kv_heads, model.block_tokens)
-    return torch.empty((*shape, model.head_dim), dtype=getattr(torch, model.dtype), device=device)
+    shape = (num_blocks, *model.layout().shape)
+    dtype = getattr(torch, model.dtype)
+    return torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)
 
 
 class LayerLoad:
@@ -240,11 +244,11 @@ class LayerLoad:
         self._found(len(got))
         self._fetched()
         slots = page_slots(self._pages, self._pool)
-        stored_at, positions = (p[: self.num_blocks, None, :] for p in moves)  # over heads
+        stored_at, positions = (p[: self.num_blocks, :, None] for p in moves)  # over heads
 
         def write(layer: int) -> None:
             n = self.num_blocks
-            blocks = staging[:n, layer : layer + 1]  # [n, 1, 2, kv_heads, tokens, head_dim]
+            blocks = staging[:n, layer : layer + 1]  # [n, 1, 2, tokens, kv_heads, head_dim]
             blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
             load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], slots[:n])
 

@@ -52,7 +52,7 @@ class SaveJob:
 
     keys: tuple[bytes, ...]
     parent: bytes  # the key before keys[0] (ROOT_KEY for block 0)
-    blocks: torch.Tensor  # [len(keys), num_layers, 2, num_kv_heads, block_tokens, head_dim]
+    blocks: torch.Tensor  # [len(keys), num_layers, 2, block_tokens, num_kv_heads, head_dim]
     ready: torch.cuda.Event | None = None  # recorded once ``blocks`` holds the KV (CUDA)
 
 

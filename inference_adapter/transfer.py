@@ -1,7 +1,8 @@
 """Leased blocks into an engine's pages, one layer at a time, for every engine alike.
 
 Both engines (ours, and vLLM's worker) describe an attention layer's pages as K and V views
-``[num_pages, kv_heads, page_tokens, head_dim]`` (:class:`LayerKV`, any strides), and a load
+``[num_pages, page_tokens, kv_heads, head_dim]`` (:class:`LayerKV`, any strides: token-major
+like the stored layers, so pages that follow each other take one contiguous copy), and a load
 as the blocks leased from the daemon (:class:`~kvstore.client.tensors.HostBlocks`: where they
 lie in host memory) with, per block, the pages its parts go to (``pages``:
 ``[num_blocks, pages_per_block]`` int64, -1 where the engine computes the tokens itself; a
@@ -13,7 +14,7 @@ every block into its pages in one step:
   (:func:`~kvstore.kernels.transfer.load_layer`): no staging copy, no copy per block;
 - CUDA, unregistered memory: the layer's slices are gathered on the host, sent in one copy,
   and the same kernel scatters them on the device;
-- CPU: each page's rows are copied straight from the arena (one copy per byte).
+- CPU: each run of consecutive pages is copied straight from the arena (one copy per byte).
 
 On CUDA the work is queued on the current stream; the caller orders it (a side stream and
 one event per layer) and must not release the lease before it is done.
@@ -34,7 +35,7 @@ __all__ = ["LayerKV", "LayerWriter", "engine_layers"]
 
 @dataclass(frozen=True, slots=True)
 class LayerKV:
-    """K and V views of one layer's pages: ``[num_pages, kv_heads, page_tokens, head_dim]``."""
+    """K and V views of one layer's pages: ``[num_pages, page_tokens, kv_heads, head_dim]``."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -42,13 +43,13 @@ class LayerKV:
     @property
     def block_size(self) -> int:
         """Tokens per page."""
-        return self.k.size(2)
+        return self.k.size(1)
 
 
 def engine_layers(kv_pool: torch.Tensor) -> list[LayerKV]:
     """Our engine's pool ``[num_layers, 2, num_pages, page_tokens, kv_heads, head_dim]`` as
     one :class:`LayerKV` per layer (views, no copy)."""
-    return [LayerKV(layer[0].transpose(1, 2), layer[1].transpose(1, 2)) for layer in kv_pool]
+    return [LayerKV(layer[0], layer[1]) for layer in kv_pool]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ one kernel (``_copy_blocks_kernel``, ``SAVE`` picks the direction):
 
 With ``rope=None`` both are plain copies. Layouts (see ``kvstore.kernels.paged``)::
 
-    staging:      [num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]
+    staging:      [num_blocks, num_layers, 2, block_tokens, num_kv_heads, head_dim]
     kv_pool:      [num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]
     slot_mapping: [num_blocks, block_tokens] int64, the pool slot of each token, -1 to skip
     positions:    [num_blocks, block_tokens] int32/int64, each < rope.max_positions
@@ -38,7 +38,7 @@ from kvstore.kernels._checks import (
 from kvstore.kernels.paged import POOL_SHAPE
 from kvstore.kernels.rope import RopeTables, apply_rope
 
-STAGING_SHAPE = "[num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]"
+STAGING_SHAPE = "[num_blocks, num_layers, 2, block_tokens, num_kv_heads, head_dim]"
 TOKENS_SHAPE = "[num_blocks, block_tokens]"
 MAX_BLOCK_T = 64
 
@@ -53,7 +53,7 @@ def _round_to_bf16(x):  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
-    staging_ptr,  # [num_blocks, num_layers, 2, num_kv_heads, block_tokens, HEAD_DIM]
+    staging_ptr,  # [num_blocks, num_layers, 2, block_tokens, num_kv_heads, HEAD_DIM]
     pool_ptr,  # [num_layers, 2, num_pages, page_tokens, num_kv_heads, HEAD_DIM]
     slots_ptr,  # [num_blocks, block_tokens] int64
     positions_ptr,  # [num_blocks, block_tokens] int
@@ -89,7 +89,7 @@ def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
     staging_rows = (
         block * staging_stride_block
         + layer * staging_stride_layer
-        + (head * block_tokens + tokens) * HEAD_DIM
+        + (tokens * num_kv_heads + head) * HEAD_DIM
     )
     pool_rows = (
         layer * pool_stride_layer
@@ -155,7 +155,7 @@ def _check_copy_args(
     check_size("kv_pool", kv_pool, 1, 2, "2 (k|v)")
     check_size("staging", staging, 2, 2, "2 (k|v)")
     check_size("staging", staging, 1, kv_pool.size(0), "kv_pool's num_layers")
-    check_size("staging", staging, 3, kv_pool.size(4), "kv_pool's num_kv_heads")
+    check_size("staging", staging, 4, kv_pool.size(4), "kv_pool's num_kv_heads")
     check_size("staging", staging, 5, kv_pool.size(5), "kv_pool's head_dim")
     check_head_dim("kv_pool", kv_pool.size(5))
     check_tensor(
@@ -167,7 +167,7 @@ def _check_copy_args(
         contiguous_dims=2,
     )
     check_size("slot_mapping", slot_mapping, 0, staging.size(0), "staging's num_blocks")
-    check_size("slot_mapping", slot_mapping, 1, staging.size(4), "staging's block_tokens")
+    check_size("slot_mapping", slot_mapping, 1, staging.size(3), "staging's block_tokens")
     if (positions is None) != (rope is None):
         raise ValueError("positions and rope must be given together (or both left None)")
     if positions is None or rope is None:
@@ -181,7 +181,7 @@ def _check_copy_args(
         contiguous_dims=2,
     )
     check_size("positions", positions, 0, staging.size(0), "staging's num_blocks")
-    check_size("positions", positions, 1, staging.size(4), "staging's block_tokens")
+    check_size("positions", positions, 1, staging.size(3), "staging's block_tokens")
     if rope.head_dim != kv_pool.size(5) or rope.cos.device != device:
         raise ValueError(
             f"rope tables (head_dim {rope.head_dim}, {rope.cos.device}) must match kv_pool "
@@ -199,7 +199,7 @@ def _copy_blocks_triton(
     save: bool,
 ) -> None:
     _check_copy_args(staging, kv_pool, slot_mapping, positions, rope)
-    num_blocks, num_layers, _, num_kv_heads, block_tokens, head_dim = staging.shape
+    num_blocks, num_layers, _, block_tokens, num_kv_heads, head_dim = staging.shape
     if num_blocks == 0:
         return
     block_t = min(MAX_BLOCK_T, triton.next_power_of_2(block_tokens))
@@ -243,7 +243,7 @@ def load_blocks_triton(
     """Triton: copy staged blocks into pool slots, rotating K to ``positions``.
 
     Args:
-        staging: ``[num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]``,
+        staging: ``[num_blocks, num_layers, 2, block_tokens, num_kv_heads, head_dim]``,
             K before RoPE.
         kv_pool: ``[num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]``,
             written in place.
@@ -288,12 +288,12 @@ def _copy_blocks_reference(
     if save:
         kv = kv_pool[:, :, pages, rows]  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
     else:
-        kv = staging[blocks, :, :, :, tokens].permute(1, 2, 0, 3, 4)
+        kv = staging[blocks, :, :, tokens].permute(1, 2, 0, 3, 4)
     if positions is not None and rope is not None:
         token_positions = positions[blocks, tokens][None, :, None]
         kv[:, 0] = apply_rope(kv[:, 0], token_positions, rope, inverse=save)
     if save:
-        staging[blocks, :, :, :, tokens] = kv.permute(2, 0, 1, 3, 4)
+        staging[blocks, :, :, tokens] = kv.permute(2, 0, 1, 3, 4)
     else:
         kv_pool[:, :, pages, rows] = kv
 

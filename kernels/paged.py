@@ -19,7 +19,7 @@ them from a sequence's pages.
 
 Staging buffer. Blocks as the store hands them out, layer-major, one block after another::
 
-    staging: [num_blocks, num_layers, 2 (k|v), num_kv_heads, block_tokens, head_dim]
+    staging: [num_blocks, num_layers, 2 (k|v), block_tokens, num_kv_heads, head_dim]
 
 which is ``kvstore.blocks.BlockLayout``'s raw payload with a leading block axis. Each
 ``(block, layer, k|v)`` slab must be C-contiguous; the block, layer and k|v strides are free,

@@ -133,8 +133,10 @@ def _check_count(name: str, value: int, limit: int) -> None:
 class BlockLayout:
     """Shape of the raw KV payload of one block.
 
-    Raw payload, C order: ``[num_layers, 2 (k|v), num_kv_heads, block_tokens, head_dim]``
-    elements of ``dtype``; layer i is bytes ``layer_range(i)``.
+    Raw payload, C order: ``[num_layers, 2 (k|v), block_tokens, num_kv_heads, head_dim]``
+    elements of ``dtype`` (``shape``); layer i is bytes ``layer_range(i)``. Tokens outside
+    heads, as the engines' paged caches lay them out, so that the tokens of one engine page
+    are one contiguous range of a layer's K (and of its V).
     """
 
     num_layers: int
@@ -158,6 +160,11 @@ class BlockLayout:
     def itemsize(self) -> int:
         """Bytes per element of ``dtype``."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``(num_layers, 2, block_tokens, num_kv_heads, head_dim)``: the payload's C order."""
+        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
 
     @property
     def layer_bytes(self) -> int:
@@ -279,7 +286,7 @@ def encode_block(
         num_tokens: Tokens of KV the block holds, 1..layout.block_tokens.
         layout: Shape and dtype of the payload.
         payload: Raw KV, ``layout.payload_bytes`` bytes, C order
-            ``[num_layers, 2, num_kv_heads, block_tokens, head_dim]``.
+            ``[num_layers, 2, block_tokens, num_kv_heads, head_dim]``.
         codec: How each layer is stored.
         checksum: The payload's ``payload_checksum``, when the caller knows it already.
 
@@ -466,7 +473,7 @@ def decode_layer(header: BlockHeader, stored_layer: Buffer, layer: int) -> bytes
 
     Returns:
         The layer's raw KV, ``header.layout.layer_bytes`` bytes, C order
-        ``[2, num_kv_heads, block_tokens, head_dim]``.
+        ``[2, block_tokens, num_kv_heads, head_dim]``.
 
     Raises:
         ValueError: The layer index is out of range.

@@ -23,8 +23,10 @@ from kvstore.blocks import DTYPE_BYTES, BlockLayout
 __all__ = ["ModelFingerprint", "Namespace", "RopeScaling"]
 
 # v2: stored K is after RoPE, at the positions its chain gives (v1 held it before RoPE), so
-# blocks written under v1 are never read as v2.
-_FINGERPRINT_DOMAIN = b"kvstore/model-fingerprint/v2\0"
+# blocks written under v1 are never read as v2. v3: a block's layer is token-major,
+# [2, block_tokens, kv_heads, head_dim] (v2 had heads outside tokens), so v2 blocks are never
+# read as v3.
+_FINGERPRINT_DOMAIN = b"kvstore/model-fingerprint/v3\0"
 _NAMESPACE_DOMAIN = b"kvstore/namespace/v1\0"
 
 RopeScaling: TypeAlias = tuple[tuple[str, str | float], ...]

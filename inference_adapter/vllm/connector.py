@@ -297,7 +297,7 @@ def check_cpu_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: A
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(tokens), isa)
     layer = layer_kv(cache, "cpu", num_kv_heads=num_kv_heads, head_dim=head_dim)
     for part, written in ((layer.k, key), (layer.v, value)):
-        expected = written.view(2, block_size, num_kv_heads, head_dim).transpose(1, 2)
+        expected = written.view(2, block_size, num_kv_heads, head_dim)
         if not torch.equal(part, expected):
             raise ValueError(
                 f"vLLM's CPU attention (ISA {isa!r}, {dtype}) lays KV out in a way "

@@ -1,4 +1,4 @@
-"""vLLM's per-layer KV tensors, seen as K and V ``[num_blocks, kv_heads, block_size, head_dim]``.
+"""vLLM's per-layer KV tensors, seen as K and V ``[num_blocks, block_size, kv_heads, head_dim]``.
 
 vLLM hands the connector one tensor per attention layer (``register_kv_caches``). Three
 layouts occur; all are read and written through strided views (nothing is copied to read
@@ -16,7 +16,7 @@ the layout), picked by :func:`layout_of` from the device and the shape:
 - ``split``: ``[2, num_blocks, block_size, kv_heads, head_dim]``, K at 0 and V at 1, with
   tokens outside heads in memory (NHD) or heads outside tokens (HND, strides permuted).
 
-The store keeps a block ``[num_layers, 2, kv_heads, block_tokens, head_dim]`` (kvstore's own
+The store keeps a block ``[num_layers, 2, block_tokens, kv_heads, head_dim]`` (kvstore's own
 engine writes the same form) with K after RoPE, as vLLM holds it: block ``b`` of a chain at
 positions ``b * block_tokens ..``, the only positions a prefix hit loads it at, so a load
 gives vLLM back its own bits. A stored block spans ``block_tokens // block_size``
@@ -54,16 +54,16 @@ def layer_kv(kv: torch.Tensor, layout: str, *, num_kv_heads: int, head_dim: int)
     shape = tuple(kv.shape)
     four = kv.dim() == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim
     if layout == "packed" and four:
-        return LayerKV(kv[..., :head_dim], kv[..., head_dim:])
+        return LayerKV(kv[..., :head_dim].transpose(1, 2), kv[..., head_dim:].transpose(1, 2))
     if layout == "cpu" and four and kv.stride(3) == 1 and kv.stride(2) == 2 * head_dim:
         blocks, heads, size, _ = shape
         halves = kv.view(blocks, heads, 2, size * head_dim)
-        k = halves[:, :, 0].view(blocks, heads, head_dim, size).transpose(2, 3)
-        v = halves[:, :, 1].view(blocks, heads, size, head_dim)
+        k = halves[:, :, 0].view(blocks, heads, head_dim, size).permute(0, 3, 1, 2)
+        v = halves[:, :, 1].view(blocks, heads, size, head_dim).transpose(1, 2)
         return LayerKV(k, v)
     five = kv.dim() == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_dim)
     if layout == "split" and five:
-        return LayerKV(kv[0].transpose(1, 2), kv[1].transpose(1, 2))
+        return LayerKV(kv[0], kv[1])
     expected = {
         "cpu": f"[num_blocks, {num_kv_heads}, block_size, {2 * head_dim}] with contiguous rows",
         "packed": f"[num_blocks, {num_kv_heads}, block_size, {2 * head_dim}]",
@@ -85,13 +85,7 @@ def gather(layer: LayerKV, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch
         block_ids: ``[n, per_block]`` int64, the vLLM blocks making each stored block.
 
     Returns:
-        K and V ``[n, kv_heads, block_tokens, head_dim]``, new tensors.
+        K and V ``[n, block_tokens, kv_heads, head_dim]``, new tensors.
     """
-    k, v = (_join(part[block_ids]) for part in (layer.k, layer.v))
+    k, v = (part[block_ids].flatten(1, 2) for part in (layer.k, layer.v))
     return k, v
-
-
-def _join(parts: torch.Tensor) -> torch.Tensor:
-    """``[n, per_block, heads, block_size, dim]`` -> ``[n, heads, per_block * block_size, dim]``."""
-    n, per_block, heads, size, dim = parts.shape
-    return parts.transpose(1, 2).reshape(n, heads, per_block * size, dim)

@@ -43,6 +43,7 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace, WriteStatus
 from kvstore.client.tensors import HostBlocks
+from kvstore.inference_adapter.loader import staging_for
 from kvstore.inference_adapter.saver import SaveJob, SaveQueue
 from kvstore.inference_adapter.transfer import LayerKV, LayerWriter
 from kvstore.inference_adapter.vllm.layout import gather
@@ -282,7 +283,6 @@ class WorkerSide:
                 self.counts["dropped_saves"] += len(spec.keys)
 
     def _admit(self, specs: Sequence[SaveSpec]) -> list[tuple[SaveSpec, torch.Tensor]]:
-        model = self.namespace.model
         admitted: list[tuple[SaveSpec, torch.Tensor]] = []
         taken = 0
         pinned = self.device.type == "cuda"
@@ -294,9 +294,7 @@ class WorkerSide:
                 self.counts["dropped_saves"] += n
                 continue
             taken += n
-            shape = (n, len(self.layers), 2, model.num_kv_heads, self.block_tokens)
-            staging = torch.empty((*shape, model.head_dim), dtype=self.dtype, pin_memory=pinned)
-            admitted.append((spec, staging))
+            admitted.append((spec, staging_for(self.namespace, n, "cpu", pinned=pinned)))
         return admitted
 
     def save_counts(self) -> Counter[str]:

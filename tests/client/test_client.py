@@ -74,9 +74,9 @@ async def test_put_continues_a_chain_from_its_parent(
 
 async def test_tensors_in_and_out(any_client: AsyncKVStoreClient, namespace: Namespace) -> None:
     model = namespace.model
-    shape = (model.num_layers, 2, model.num_kv_heads, model.block_tokens, model.head_dim)
+    shape = model.layout().shape
     keys = chain(namespace, 2)
-    blocks = [torch.randn(shape, dtype=torch.float16) for _ in keys]  # [L, 2, H, T, D]
+    blocks = [torch.randn(shape, dtype=torch.float16) for _ in keys]  # [L, 2, T, H, D]
     await any_client.put(namespace, keys, blocks)
 
     out = [torch.empty(shape, dtype=torch.float16) for _ in keys]
@@ -283,7 +283,7 @@ async def test_cuda_tensors_in_and_out(
     any_client: AsyncKVStoreClient, namespace: Namespace
 ) -> None:
     model = namespace.model
-    shape = (model.num_layers, 2, model.num_kv_heads, model.block_tokens, model.head_dim)
+    shape = model.layout().shape
     keys = chain(namespace, 2)
     blocks = [torch.randn(shape, dtype=torch.float16, device="cuda") for _ in keys]
     await any_client.put(namespace, keys, blocks)
@@ -301,7 +301,7 @@ async def pinned_client_round_trip(
     """Puts two blocks through a client made with ``pin_arena=True``, gets them into tensors
     on ``device`` and views them; the blocks sent and received."""
     model = namespace.model
-    shape = (model.num_layers, 2, model.num_kv_heads, model.block_tokens, model.head_dim)
+    shape = model.layout().shape
     keys = chain(namespace, 2)
     blocks = [torch.randn(shape, dtype=torch.float16, device=device) for _ in keys]
     out = [torch.empty(shape, dtype=torch.float16, device=device) for _ in keys]

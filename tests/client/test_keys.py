@@ -29,16 +29,16 @@ GOLDEN_MODEL = ModelFingerprint(
 GOLDEN = Namespace(GOLDEN_MODEL, tenant="tenant-a")
 GOLDEN_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 GOLDEN_ROOT = "f00b645ffb15c9664584369a452c45d41b23b9dca411342b133bcab40cceaf35"
-# Fingerprint v2 (stored K after RoPE); the v1 digest was edbb5ace...
-GOLDEN_NAMESPACE = "e58d4cacf8ed19b27c90e3a9208cb5ada79c909da7c480a2698e30b3b605ccac"
+# Fingerprint v3 (token-major layers); v2 (stored K after RoPE) was e58d4cac..., v1 edbb5ace...
+GOLDEN_NAMESPACE = "530726ed51ddcbae5240f77ae3058d7cf04ae5b4add3e61a71073a5d65fca23a"
 GOLDEN_KEYS = [
-    "284563c439f3711dc4ba35bea3bd61bf7085102afce59b346f459059b1d5c27e",
-    "54923f233516996b1abe17f2111b1ca16a5954797e4401cfd25296d949107adb",
+    "654bbfd127f7232fa5a4e1e528069c76356d270b13ff563e9eab7fac3a7b15a1",
+    "d494589396066e689523639e3ab0eee8ae6ad1bc85d3a9218e37ae6732575b88",
 ]
 GOLDEN_SALT = KeySalt(b"session-1", from_block=1)
 GOLDEN_SALTED_KEYS = [
     GOLDEN_KEYS[0],  # before from_block: the plain chain's key
-    "dc1bbeeed1dd25d6a463f746482f46eb0e46255e75536853b01d33f260a16276",
+    "15e89df0214deeb9ee42780ecf253c01df1c231b72dd0b8c16d624e33cddb2fd",
 ]
 
 LLAMA = ModelFingerprint("llama-test", num_layers=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")

@@ -111,7 +111,7 @@ def hf_generate(models: TinyModels, prompt: list[int], max_tokens: int) -> list[
 
 def reference_blocks(models: TinyModels, tokens: list[int], namespace: Namespace) -> torch.Tensor:
     """The KV of ``tokens``' full blocks as transformers computes it (K after RoPE), in the
-    store's layout ``[num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]``."""
+    store's layout ``[num_blocks, num_layers, 2, block_tokens, kv_heads, head_dim]``."""
     with torch.no_grad():
         cache = models.hf(torch.tensor([tokens]), use_cache=True).past_key_values
     bt, n = namespace.model.block_tokens, len(tokens) // namespace.model.block_tokens
@@ -120,7 +120,7 @@ def reference_blocks(models: TinyModels, tokens: list[int], namespace: Namespace
         k = layer.keys[0, :, : n * bt].transpose(0, 1)
         v = layer.values[0, :, : n * bt].transpose(0, 1)
         kv = torch.stack((k, v))  # [2, seq, kv_heads, head_dim]
-        layers.append(kv.unflatten(1, (n, bt)).permute(1, 0, 3, 2, 4))  # [n, 2, heads, bt, dim]
+        layers.append(kv.unflatten(1, (n, bt)).transpose(0, 1))  # [n, 2, bt, heads, dim]
     return torch.stack(layers, dim=1)
 
 
@@ -128,8 +128,7 @@ def stored_blocks(client: KVStoreClient, namespace: Namespace, keys: list[bytes]
     model = namespace.model
     payloads = client.get(namespace, keys)
     flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=getattr(torch, model.dtype))
-    shape = (len(payloads), model.num_layers, 2, model.num_kv_heads, model.block_tokens)
-    return flat.view(*shape, model.head_dim)
+    return flat.view(len(payloads), *model.layout().shape)
 
 
 @pytest.fixture(params=["shm", "stream"])
@@ -224,7 +223,7 @@ def test_a_prefix_hit_puts_back_the_bits_the_engine_computed(
     # The stored bytes are the pool's too, K after RoPE: [layers, 2, page, heads, dim] per page.
     stored = stored_blocks(client, namespace, block_keys(prompt, namespace))
     assert torch.equal(
-        stored.permute(1, 2, 0, 4, 3, 5).view(torch.uint8), computed.view(torch.uint8)
+        stored.permute(1, 2, 0, 3, 4, 5).view(torch.uint8), computed.view(torch.uint8)
     )
     assert second.output == first.output
     connector.close()

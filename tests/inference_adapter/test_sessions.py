@@ -174,14 +174,14 @@ def test_a_session_past_the_window_reuses_kept_kv_at_new_positions(
             now = torch.arange(block.position, block.position + PAGE)[:, None]
             then = torch.arange(block.stored_at, block.stored_at + PAGE)[:, None]
             for layer in range(stored.size(0)):
-                k = stored[layer, 0].transpose(0, 1)  # [page, heads, dim], rotated to ``then``
+                k = stored[layer, 0]  # [page, heads, dim], rotated to ``then``
                 expected = move_k(k, then, now, engine.rope_tables)
                 assert torch.equal(snapshot[layer, 0, index], expected)
                 if block.stored_at != block.position:
                     assert not torch.equal(expected, k)  # K really was re-rotated
                 else:
                     assert torch.equal(expected, k)  # a sink block: its own bits
-                assert torch.equal(snapshot[layer, 1, index], stored[layer, 1].transpose(0, 1))
+                assert torch.equal(snapshot[layer, 1, index], stored[layer, 1])
         # The shifted blocks were re-saved under the session's salted chain: the next turn
         # is a prefix hit ...
         session = server.session("dana")

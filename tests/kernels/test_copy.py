@@ -34,7 +34,7 @@ LLAMA3 = Llama3Scaling(8.0, 1.0, 4.0, 64)  # a short original context: every ban
 
 @dataclass(frozen=True)
 class CopyCase:
-    staging: torch.Tensor  # [num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]
+    staging: torch.Tensor  # [num_blocks, num_layers, 2, block_tokens, num_kv_heads, head_dim]
     kv_pool: torch.Tensor  # [num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]
     slots: torch.Tensor  # [num_blocks, block_tokens] int64, some -1
     positions: torch.Tensor  # [num_blocks, block_tokens]
@@ -45,7 +45,7 @@ def copy_case(case: str, dtype: torch.dtype, *, seed: int = 0) -> CopyCase:
     layers, heads, head_dim, block_tokens, page_tokens, blocks = CASES[case]
     gen = torch.Generator().manual_seed(seed)
     num_pages = -(-blocks * block_tokens // page_tokens) + 2
-    staging = torch.randn(blocks, layers, 2, heads, block_tokens, head_dim, generator=gen)
+    staging = torch.randn(blocks, layers, 2, block_tokens, heads, head_dim, generator=gen)
     pool = torch.randn(layers, 2, num_pages, page_tokens, heads, head_dim, generator=gen)
     slots = torch.randperm(num_pages * page_tokens, generator=gen)[: blocks * block_tokens]
     slots = slots.view(blocks, block_tokens).clone()
@@ -70,7 +70,7 @@ def pool_tokens(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def staging_tokens(staging: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[num_tokens, num_layers, 2, heads, head_dim] of the tokens whose slot is not -1."""
     blocks, tokens = (slots >= 0).nonzero(as_tuple=True)
-    return staging[blocks, :, :, :, tokens]
+    return staging[blocks, :, :, tokens]
 
 
 @EACH_DTYPE
@@ -93,7 +93,7 @@ def test_save_kernel_matches_reference_bit_exactly(case: str, dtype: torch.dtype
     save_blocks_reference(c.kv_pool, by_reference, c.slots, c.positions, c.rope)
     assert torch.equal(by_kernel, by_reference)
     skipped = c.slots < 0
-    assert torch.equal(by_kernel.movedim(4, 1)[skipped], c.staging.movedim(4, 1)[skipped])
+    assert torch.equal(by_kernel.movedim(3, 1)[skipped], c.staging.movedim(3, 1)[skipped])
 
 
 @EACH_DTYPE
@@ -178,7 +178,7 @@ def bad_copy_args(c: CopyCase, **changes: object) -> dict[str, object]:
             lambda c: {"staging": c.staging[:, :1]},
             "staging.shape[1] must equal kv_pool's num_layers",
         ),
-        (lambda c: {"staging": c.staging.repeat(1, 1, 1, 2, 1, 1)}, "staging.shape[3] must equal"),
+        (lambda c: {"staging": c.staging.repeat(1, 1, 1, 1, 2, 1)}, "staging.shape[4] must equal"),
         (lambda c: {"kv_pool": c.kv_pool[:, :1]}, "kv_pool.shape[1] must equal 2"),
         (lambda c: {"kv_pool": c.kv_pool.double()}, "kv_pool dtype"),
         (lambda c: {"kv_pool": c.kv_pool[None]}, "kv_pool must be 6-D"),

@@ -83,7 +83,7 @@ def test_every_entry_point_runs_the_chosen_implementation(
         batch.q, *args, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, max_query_len=1
     )
     kernels.decode_attention(batch.q, *args, batch.seq_lens, batch.block_tables)
-    staging = torch.zeros(1, 1, 2, 1, 4, 16, device=batch.q.device)
+    staging = torch.zeros(1, 1, 2, 4, 1, 16, device=batch.q.device)
     slots = torch.arange(4, device=batch.q.device)[None]
     rope = rope_tables(RopeConfig(16), 8, batch.q.device)
     kernels.load_blocks(staging, batch.kv_pool, slots, slots, rope)

@@ -75,7 +75,7 @@ def test_copy_rope_of_full_blocks_is_bit_exact(head_dim: int, dtype: torch.dtype
     gen = torch.Generator(device=CUDA).manual_seed(0)
     blocks, layers, block_tokens, page_tokens = 8, 32, 256, 16
     staging = torch.randn(
-        blocks, layers, 2, NUM_KV_HEADS, block_tokens, head_dim, generator=gen, device=CUDA
+        blocks, layers, 2, block_tokens, NUM_KV_HEADS, head_dim, generator=gen, device=CUDA
     ).to(dtype)
     num_pages = blocks * block_tokens // page_tokens + 4
     pool = torch.zeros(layers, 2, num_pages, page_tokens, NUM_KV_HEADS, head_dim, device=CUDA)
@@ -107,7 +107,7 @@ def test_load_layer_reads_host_memory_straight_into_pages(page_tokens: int) -> N
 
     heads, dim, block_tokens, num_blocks, layers = 8, 64, 256, 24, 2
     per_block = block_tokens // page_tokens
-    block_shape = (layers, 2, heads, block_tokens, dim)
+    block_shape = (layers, 2, block_tokens, heads, dim)
     blocks = torch.randn(num_blocks, *block_shape).to(torch.bfloat16)
     block_bytes = blocks[0].numel() * 2
     arena = torch.zeros(block_bytes * 2 * num_blocks, dtype=torch.uint8).pin_memory()
@@ -121,15 +121,7 @@ def test_load_layer_reads_host_memory_straight_into_pages(page_tokens: int) -> N
         pool = torch.zeros(2, num_pages, page_tokens, heads, dim, dtype=torch.bfloat16)
         expected = pool.clone()
         at = offsets + layer * (block_bytes // layers)
-        load_layer_reference(
-            arena, at, expected[0].transpose(1, 2), expected[1].transpose(1, 2), pages
-        )
+        load_layer_reference(arena, at, expected[0], expected[1], pages)
         on_gpu = pool.to(CUDA)
-        load_layer_triton(
-            source,
-            at.to(CUDA),
-            on_gpu[0].transpose(1, 2),
-            on_gpu[1].transpose(1, 2),
-            pages.to(CUDA),
-        )
+        load_layer_triton(source, at.to(CUDA), on_gpu[0], on_gpu[1], pages.to(CUDA))
         assert torch.equal(on_gpu.cpu(), expected)

@@ -24,18 +24,19 @@ SHAPES = {
 @dataclass(frozen=True)
 class Case:
     arena: torch.Tensor  # flat uint8: every block, layer-major, at scattered offsets
-    blocks: torch.Tensor  # [num_blocks, num_layers, 2, kv_heads, block_tokens, head_dim]
+    blocks: torch.Tensor  # [num_blocks, num_layers, 2, block_tokens, kv_heads, head_dim]
     offsets: torch.Tensor  # [num_blocks] int64 byte offset of each block
     pages: torch.Tensor  # [num_blocks, pages_per_block] int64, some -1
     layer_bytes: int
 
 
-def case(shape: str, dtype: torch.dtype, layers: int = 2, runs: bool = False) -> Case:
-    """Blocks at scattered offsets; their pages scattered, or (``runs``) consecutive with one
-    skipped page in the first block (runs of pages that a skip and block ends cut)."""
+def case(shape: str, dtype: torch.dtype, layers: int = 2, pages: str = "scattered") -> Case:
+    """Blocks at scattered offsets; their pages scattered, consecutive with one skipped page
+    in the first block (``runs``: runs of pages that a skip and block ends cut), or
+    consecutive (``whole``: every block one run)."""
     heads, head_dim, page_tokens, per_block, num_blocks = SHAPES[shape]
     gen = torch.Generator().manual_seed(1)
-    block_shape = (layers, 2, heads, per_block * page_tokens, head_dim)
+    block_shape = (layers, 2, per_block * page_tokens, heads, head_dim)
     blocks = torch.randn(num_blocks, *block_shape, generator=gen).to(dtype)
     block_bytes = blocks[0].numel() * blocks.element_size()
     arena = torch.zeros(block_bytes * (2 * num_blocks + 1), dtype=torch.uint8)
@@ -43,43 +44,56 @@ def case(shape: str, dtype: torch.dtype, layers: int = 2, runs: bool = False) ->
     offsets = slots * block_bytes + 64  # 4-byte aligned, not block aligned
     for block, offset in zip(blocks, offsets.tolist(), strict=True):
         arena[offset : offset + block_bytes] = block.reshape(-1).view(torch.uint8)
-    if runs:
-        pages = torch.arange(3, 3 + num_blocks * per_block)
+    if pages == "scattered":
+        order = torch.randperm(num_blocks * per_block + 3, generator=gen)
     else:
-        pages = torch.randperm(num_blocks * per_block + 3, generator=gen)
-    pages = pages[: num_blocks * per_block].view(num_blocks, per_block).clone()
-    pages[0, min(1, per_block - 1) if runs else -1] = -1
-    return Case(arena, blocks, offsets, pages, block_bytes // layers)
+        order = torch.arange(3, 3 + num_blocks * per_block)
+    targets = order[: num_blocks * per_block].view(num_blocks, per_block).clone()
+    if pages != "whole":
+        targets[0, min(1, per_block - 1) if pages == "runs" else -1] = -1
+    return Case(arena, blocks, offsets, targets, block_bytes // layers)
 
 
 def engine_pool(num_pages: int, heads: int, page_tokens: int, dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    """Our engine's pool of one layer, ``[2, pages, page_tokens, heads, dim]``, as K/V views."""
+    """Our engine's pool of one layer, ``[2, pages, page_tokens, heads, dim]``, as K/V views
+    ``[pages, page_tokens, heads, dim]`` (also vLLM's split NHD layout)."""
     pool = torch.full((2, num_pages, page_tokens, heads, dim), -7.0).to(dtype)
-    return pool, pool[0].transpose(1, 2), pool[1].transpose(1, 2)
+    return pool, pool[0], pool[1]
 
 
 def vllm_split_hnd(num_pages: int, heads: int, page_tokens: int, dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     pool = torch.full((2, num_pages, heads, page_tokens, dim), -7.0).to(dtype)
-    return pool, pool[0], pool[1]
+    return pool, pool[0].transpose(1, 2), pool[1].transpose(1, 2)
 
 
 def vllm_packed(num_pages: int, heads: int, page_tokens: int, dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     pool = torch.full((num_pages, heads, page_tokens, 2 * dim), -7.0).to(dtype)
-    return pool, pool[..., :dim], pool[..., dim:]
+    return pool, pool[..., :dim].transpose(1, 2), pool[..., dim:].transpose(1, 2)
 
 
-LAYOUTS = {"engine": engine_pool, "split-hnd": vllm_split_hnd, "packed": vllm_packed}
+def separate(num_pages: int, heads: int, page_tokens: int, dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """K and V in tensors of their own (no common view of both)."""
+    k, v = (torch.full((num_pages, page_tokens, heads, dim), -7.0).to(dtype) for _ in "kv")
+    return torch.stack([k, v]), k, v
+
+
+LAYOUTS = {
+    "engine": engine_pool,
+    "split-hnd": vllm_split_hnd,
+    "packed": vllm_packed,
+    "separate": separate,
+}
 
 
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("runs", [False, True], ids=["scattered", "runs"])
+@pytest.mark.parametrize("pages", ["scattered", "runs", "whole"])
 def test_every_layer_lands_in_its_pages_and_skipped_pages_are_untouched(
-    name: str, layout: str, shape: str, dtype: torch.dtype, runs: bool
+    name: str, layout: str, shape: str, dtype: torch.dtype, pages: str
 ) -> None:
-    c = case(shape, dtype, runs=runs)
+    c = case(shape, dtype, pages=pages)
     heads, dim, page_tokens, per_block, num_blocks = SHAPES[shape]
     num_pages = num_blocks * per_block + 3
     for layer in range(c.blocks.size(1)):
@@ -95,8 +109,8 @@ def test_every_layer_lands_in_its_pages_and_skipped_pages_are_untouched(
                     continue
                 written[page] = True
                 tokens = slice(p * page_tokens, (p + 1) * page_tokens)
-                assert torch.equal(k[page], c.blocks[b, layer, 0, :, tokens]), (b, p)
-                assert torch.equal(v[page], c.blocks[b, layer, 1, :, tokens]), (b, p)
+                assert torch.equal(k[page], c.blocks[b, layer, 0, tokens]), (b, p)
+                assert torch.equal(v[page], c.blocks[b, layer, 1, tokens]), (b, p)
         # Pages no block names, and the skipped one, keep their bytes.
         k_before, v_before = LAYOUTS[layout](num_pages, heads, page_tokens, dim, dtype)[1:]
         assert torch.equal(k[~written], k_before[~written])
@@ -111,6 +125,8 @@ def test_a_bad_argument_is_named() -> None:
         load_layer_reference(c.arena, c.offsets, k, v, c.pages.int())
     with pytest.raises(ValueError, match="k and v must be"):
         load_layer_reference(c.arena, c.offsets, k, v[:, :1], c.pages)
-    odd = torch.zeros(6, 2, 16, 3, dtype=torch.float16)  # 6-byte rows
+    with pytest.raises(ValueError, match=r"offsets must be multiples of .* \(4 B\)"):
+        load_layer_reference(c.arena, c.offsets + 2, k, v, c.pages)
+    odd = torch.zeros(6, 16, 2, 3, dtype=torch.float16)  # 6-byte rows
     with pytest.raises(ValueError, match="whole 4-byte words"):
         load_layer_triton(c.arena, c.offsets, odd, odd.clone(), c.pages)

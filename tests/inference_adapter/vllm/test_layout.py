@@ -3,7 +3,7 @@
 Each layout is built the way vLLM allocates it (same shapes and strides), filled with values
 derived from (block, head, token, dim), and checked where vLLM's attention reads them (the
 slicing of vLLM's backends, restated here) and against the store's form: a block
-``[2, kv_heads, block_tokens, head_dim]`` per layer, K after RoPE, bit for bit as vLLM holds it.
+``[2, block_tokens, kv_heads, head_dim]`` per layer, K after RoPE, bit for bit as vLLM holds it.
 
 ``KVSTORE_TEST_DEVICE=cuda`` runs them on CUDA tensors (``benchmarks/gpu_check.sh``).
 """
@@ -47,22 +47,22 @@ LAYOUTS = {
 
 
 def vllm_k_v(layout: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[num_blocks, kv_heads, block_size, head_dim]`` sliced the way vLLM's
+    """K and V ``[num_blocks, block_size, kv_heads, head_dim]`` sliced the way vLLM's
     attention backends slice them (cpu_attn.py, flash_attn.py)."""
     if layout == "cpu":  # K's region is [head_dim, block_size] (the C++ vec kernels)
         blocks, heads, size, _ = kv.shape
         k, v = kv.view(blocks, heads, size * 2, -1).chunk(2, dim=2)
-        return k.reshape(blocks, heads, DIM, size).transpose(2, 3), v
+        return k.reshape(blocks, heads, DIM, size).permute(0, 3, 1, 2), v.transpose(1, 2)
     if layout == "packed":  # (B, H, N, 2*D) -> (B, N, H, D) twice
         k, v = kv.transpose(1, 2).split(DIM, dim=-1)
-        return k.transpose(1, 2), v.transpose(1, 2)
-    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        return k, v
+    return kv[0], kv[1]
 
 
 def truth(kv_index: int) -> torch.Tensor:
-    """``[BLOCKS, HEADS, SIZE, DIM]``: a distinct value per (K/V, block, head, token, dim)."""
-    b, h, t, d = torch.meshgrid(
-        *(torch.arange(n, dtype=torch.float32, device=DEVICE) for n in (BLOCKS, HEADS, SIZE, DIM)),
+    """``[BLOCKS, SIZE, HEADS, DIM]``: a distinct value per (K/V, block, token, head, dim)."""
+    b, t, h, d = torch.meshgrid(
+        *(torch.arange(n, dtype=torch.float32, device=DEVICE) for n in (BLOCKS, SIZE, HEADS, DIM)),
         indexing="ij",
     )
     return kv_index * 1e6 + b * 1e4 + h * 1e3 + t * 10 + d / 100
@@ -77,7 +77,7 @@ def fill(layer: LayerKV) -> None:
 def test_views_share_memory_and_put_k_and_v_where_vllm_reads_them(layout, make) -> None:  # type: ignore[no-untyped-def]
     kv = make()
     layer = layer_kv(kv, layout, num_kv_heads=HEADS, head_dim=DIM)
-    assert layer.k.shape == layer.v.shape == (BLOCKS, HEADS, SIZE, DIM)
+    assert layer.k.shape == layer.v.shape == (BLOCKS, SIZE, HEADS, DIM)
     fill(layer)
     k, v = vllm_k_v(layout, kv)
     assert torch.equal(k, truth(0)) and torch.equal(v, truth(1))
@@ -88,8 +88,8 @@ def test_the_cpu_layout_keeps_a_heads_k_dimension_major_before_its_v() -> None:
     kv = packed()
     fill(layer_kv(kv, "cpu", num_kv_heads=HEADS, head_dim=DIM))
     flat = kv[3, 1].reshape(-1)  # one block, one head: [2 * block_size * head_dim]
-    assert torch.equal(flat[: SIZE * DIM], truth(0)[3, 1].t().reshape(-1))
-    assert torch.equal(flat[SIZE * DIM :], truth(1)[3, 1].reshape(-1))
+    assert torch.equal(flat[: SIZE * DIM], truth(0)[3, :, 1].t().reshape(-1))
+    assert torch.equal(flat[SIZE * DIM :], truth(1)[3, :, 1].reshape(-1))
 
 
 def test_the_layout_is_chosen_by_device_and_rank() -> None:
@@ -104,7 +104,7 @@ def test_hnd_strides_put_heads_outside_tokens() -> None:
     assert kv.stride(3) > kv.stride(2)  # heads vary slower than tokens in memory
     layer = layer_kv(kv, "split", num_kv_heads=HEADS, head_dim=DIM)
     fill(layer)
-    assert torch.equal(kv.transpose(2, 3).contiguous()[0, 3, 1, 5], truth(0)[3, 1, 5])
+    assert torch.equal(kv.transpose(2, 3).contiguous()[0, 3, 1, 5], truth(0)[3, 5, 1])
 
 
 @pytest.mark.parametrize(
@@ -138,18 +138,18 @@ def test_gather_joins_vllm_blocks_into_stored_blocks_bit_for_bit(layout, make, p
     ids = torch.tensor([[7, 2], [4, 9]], device=DEVICE)[:, :per_block]
     block_tokens = SIZE * per_block
     k, v = gather(layer, ids)
-    assert k.shape == v.shape == (2, HEADS, block_tokens, DIM)
+    assert k.shape == v.shape == (2, block_tokens, HEADS, DIM)
     for n in range(2):
         for part in range(per_block):
             tokens = slice(part * SIZE, (part + 1) * SIZE)
-            assert torch.equal(v[n, :, tokens], truth(1)[ids[n, part]])
-            assert torch.equal(k[n, :, tokens], truth(0)[ids[n, part]])  # K as vLLM holds it
+            assert torch.equal(v[n, tokens], truth(1)[ids[n, part]])
+            assert torch.equal(k[n, tokens], truth(0)[ids[n, part]])  # K as vLLM holds it
 
 
 def load(target: LayerKV, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor) -> None:
     """What a load does with stored blocks: ``load_layer`` from memory holding them side by
     side as the store lays a layer out, into ``pages`` (-1: vLLM computed that part)."""
-    blocks = torch.stack([k, v], dim=1).contiguous()  # [n, 2, kv_heads, block_tokens, dim]
+    blocks = torch.stack([k, v], dim=1).contiguous()  # [n, 2, block_tokens, kv_heads, dim]
     layer_bytes = blocks[0].numel() * blocks.element_size()
     offsets = torch.arange(len(blocks), device=DEVICE) * layer_bytes
     load_layer(blocks.view(-1).view(torch.uint8), offsets, target.k, target.v, pages)

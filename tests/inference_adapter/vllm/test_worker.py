@@ -38,9 +38,9 @@ def make_layer(layout: str, device: str) -> torch.Tensor:
 
 
 def content(layer: int, kv: int, tokens: int, offset: int = 0) -> torch.Tensor:
-    """``[HEADS, tokens, DIM]`` values unique per (layer, K/V, head, token, dim)."""
-    h, t, d = torch.meshgrid(
-        torch.arange(HEADS), torch.arange(offset, offset + tokens), torch.arange(DIM), indexing="ij"
+    """``[tokens, HEADS, DIM]`` values unique per (layer, K/V, token, head, dim)."""
+    t, h, d = torch.meshgrid(
+        torch.arange(offset, offset + tokens), torch.arange(HEADS), torch.arange(DIM), indexing="ij"
     )
     return (layer * 1e6 + kv * 5e5 + h * 1e5 + t * 10 + d / 64).float()
 
