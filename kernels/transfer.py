@@ -32,7 +32,7 @@ import triton.language as tl
 __all__ = ["DeviceReadable", "load_layer", "load_layer_reference", "load_layer_triton"]
 
 WORD = 4  # bytes the kernel moves at once per lane
-MAX_TILE_TOKENS = 64
+MAX_TILE_ROWS = 64  # (token, head) rows a program moves: 8 KiB of bf16 rows of 64
 
 
 class DeviceReadable(Protocol):
@@ -61,33 +61,33 @@ def _load_layer_kernel(  # type: ignore[no-untyped-def]
     num_kv_heads,
     page_tokens,
     pages_per_block,
-    ROW: tl.constexpr,  # words per token row
+    ROW: tl.constexpr,  # words per (token, head) row
     BLOCK_W: tl.constexpr,  # ROW padded to a power of two
-    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_R: tl.constexpr,  # rows per program
 ):
-    tiles = tl.cdiv(page_tokens, BLOCK_T)
+    # A page of K (or V) is page_tokens * kv_heads rows, one contiguous range of the source
+    # (token-major); a program reads BLOCK_R of them and writes each where its token and
+    # head go in the page's (strided) view.
+    page_rows = page_tokens * num_kv_heads
+    tiles = tl.cdiv(page_rows, BLOCK_R)
     part = tl.program_id(0) // tiles  # block * pages_per_block + page of the block
-    tokens = (tl.program_id(0) % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = (tl.program_id(0) % tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
     is_v = tl.program_id(1)
     page = tl.load(pages_ptr + part)
     block = part // pages_per_block
     first = (part % pages_per_block) * page_tokens  # the page's first token in the block
     block_tokens = pages_per_block * page_tokens
-    # token-major: the page's rows of K (V) are one range of page_tokens * kv_heads rows
     source = tl.load(offsets_ptr + block) + (is_v * block_tokens + first) * num_kv_heads * ROW
     words = tl.arange(0, BLOCK_W)[None, :]
-    written = tl.where(page >= 0, page_tokens, 0)  # tokens of the page to write
-    mask = (tokens < written)[:, None] & (words < ROW)
+    written = tl.where(page >= 0, page_rows, 0)  # rows of the page to write
+    mask = (rows < written)[:, None] & (words < ROW)
+    token, head = rows // num_kv_heads, rows % num_kv_heads
     if is_v == 0:
-        dst = k_ptr + page * k_stride_page + tokens[:, None] * k_stride_token + words
-        stride_head = k_stride_head
+        dst = k_ptr + page * k_stride_page + token * k_stride_token + head * k_stride_head
     else:
-        dst = v_ptr + page * v_stride_page + tokens[:, None] * v_stride_token + words
-        stride_head = v_stride_head
-    rows = src_ptr + source + tokens[:, None] * (num_kv_heads * ROW) + words
-    for head in range(num_kv_heads):
-        values = tl.load(rows + head * ROW, mask=mask)
-        tl.store(dst + head * stride_head, values, mask=mask)
+        dst = v_ptr + page * v_stride_page + token * v_stride_token + head * v_stride_head
+    values = tl.load(src_ptr + source + rows[:, None] * ROW + words, mask=mask)
+    tl.store(dst[:, None] + words, values, mask=mask)
 
 
 def load_layer_triton(
@@ -124,8 +124,9 @@ def load_layer_triton(
     if isinstance(source, torch.Tensor):
         source = source.view(torch.int32)
     row, page_tokens = row_bytes // WORD, k.size(1)
-    block_t = min(MAX_TILE_TOKENS, triton.next_power_of_2(page_tokens))
-    grid = (num_blocks * pages_per_block * triton.cdiv(page_tokens, block_t), 2)
+    page_rows = page_tokens * k.size(2)
+    block_r = min(MAX_TILE_ROWS, triton.next_power_of_2(page_rows))
+    grid = (num_blocks * pages_per_block * triton.cdiv(page_rows, block_r), 2)
     _load_layer_kernel[grid](
         source,
         offsets // WORD,
@@ -139,7 +140,7 @@ def load_layer_triton(
         pages_per_block,
         ROW=row,
         BLOCK_W=triton.next_power_of_2(row),
-        BLOCK_T=block_t,
+        BLOCK_R=block_r,
     )
 
 
