@@ -28,6 +28,7 @@ from tests.inference_adapter.test_connector import (
     stored_blocks,
 )
 from tests.support.daemon import running_daemon
+from tests.support.waiting import wait_for
 
 __all__ = ["client", "daemon", "models"]  # fixtures shared with test_connector
 
@@ -221,9 +222,17 @@ def test_queued_sessions_named_in_hints_are_found_in_the_host_tier(
         for index, name in enumerate(names):
             server.submit(name, tokens(20, 10 + index))
         loaded_from = []  # per turn, blocks by the tier lookup_tiers found them in
-        while server.num_queued:
+        namespace = connector.namespace
+        for index, name in enumerate(names):
+            if lookahead and index:
+                # Hinted while the turn before ran; the daemon promotes in the background:
+                # wait until every block it holds of this turn's prompt is in the host tier.
+                plan = server.plan(server.session(name), tokens(20, 10 + index))
+                keys = block_keys(plan.prompt, namespace, plan.salt)
+                wait_for(lambda k=keys: set(client.lookup_tiers(namespace, k).tiers) == {"host"})
             loaded_from.append(server.run_next().request.loaded_from)
             assert connector.wait_for_saves(10.0)
+        assert not server.num_queued
         # s0 ran first, unhinted: its blocks had been pushed down to the SSD tier.
         assert loaded_from[0] == {"ssd": 4}
         if lookahead:
