@@ -59,6 +59,7 @@ from kvstore.inference_adapter.loader import (
 from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue, to_host
 from kvstore.inference_adapter.weights import LlamaConfig
 from kvstore.kernels import RopeTables, save_blocks
+from kvstore.kernels.transfer import gather_pages
 
 __all__ = ["ConnectorStats", "StoreConnector", "namespace_for"]
 
@@ -383,11 +384,16 @@ class StoreConnector:
         return block_positions(stored_at, bt, device), block_positions(starts, bt, device)
 
     def _gather(self, pages: Sequence[int], blocks: Sequence[int]) -> torch.Tensor:
-        """Blocks of the pool as the store lays them out (K after RoPE, as the pool holds it)."""
-        staging = staging_for(self.namespace, len(blocks), self._pool.kv_pool.device)
+        """Blocks of the pool as the store lays them out (K after RoPE, as the pool holds it):
+        one kernel on CUDA, a copy per run of consecutive pages elsewhere."""
+        kv_pool = self._pool.kv_pool
+        staging = staging_for(self.namespace, len(blocks), kv_pool.device)
         run = range(blocks[0], blocks[-1] + 1)  # a run of consecutive blocks
-        slots = page_slots(block_pages(pages, run, self._per_block), self._pool)
-        save_blocks(self._pool.kv_pool, staging, slots)
+        chosen = block_pages(pages, run, self._per_block)
+        if kv_pool.is_cuda:
+            save_blocks(kv_pool, staging, page_slots(chosen, self._pool))
+        else:
+            gather_pages(kv_pool, chosen, staging)
         return staging
 
     def _count(self, name: str, amount: int = 1) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvstore.kernels.transfer import load_layer_reference, load_layer_triton
+from kvstore.kernels.copy import save_blocks_reference
+from kvstore.kernels.transfer import gather_pages, load_layer_reference, load_layer_triton
 
 Loader = Callable[..., None]
 IMPLEMENTATIONS: dict[str, Loader] = {"triton": load_layer_triton, "torch": load_layer_reference}
@@ -130,3 +131,33 @@ def test_a_bad_argument_is_named() -> None:
     odd = torch.zeros(6, 16, 2, 3, dtype=torch.float16)  # 6-byte rows
     with pytest.raises(ValueError, match="whole 4-byte words"):
         load_layer_triton(c.arena, c.offsets, odd, odd.clone(), c.pages)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("order", ["runs", "scattered"])
+def test_gather_pages_equals_the_slot_based_save(dtype: torch.dtype, order: str) -> None:
+    """Blocks gathered by runs of pages hold what ``save_blocks`` (slot by slot) gathers."""
+    gen = torch.Generator().manual_seed(3)
+    layers, pages_total, page_tokens, heads, dim, per_block, num_blocks = 3, 20, 4, 2, 8, 3, 4
+    pool = torch.randn(layers, 2, pages_total, page_tokens, heads, dim, generator=gen).to(dtype)
+    if order == "runs":  # consecutive, a gap between the second and third block
+        chosen = torch.cat([torch.arange(2, 8), torch.arange(10, 16)])
+    else:
+        chosen = torch.randperm(pages_total, generator=gen)[: num_blocks * per_block]
+    pages = chosen.view(num_blocks, per_block)
+    shape = (num_blocks, layers, 2, per_block * page_tokens, heads, dim)
+    by_runs, by_slots = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    gather_pages(pool, pages, by_runs)
+    slots = (pages[:, :, None] * page_tokens + torch.arange(page_tokens)).view(num_blocks, -1)
+    save_blocks_reference(pool, by_slots, slots)
+    assert torch.equal(by_runs, by_slots)
+    assert torch.equal(by_runs[1, 2, 1, :page_tokens], pool[2, 1, int(pages[1, 0])])
+
+
+def test_gather_pages_names_a_bad_argument() -> None:
+    pool = torch.zeros(2, 2, 6, 4, 1, 8)
+    out = torch.zeros(1, 2, 2, 8, 1, 8)
+    with pytest.raises(ValueError, match=r"out must be \[1, 2, 2, 8, 1, 8\] torch.float32"):
+        gather_pages(pool, torch.tensor([[0, 1]]), out[..., :4])
+    with pytest.raises(ValueError, match=r"pages must be in 0..5, got \[\[0, 6\]\]"):
+        gather_pages(pool, torch.tensor([[0, 6]]), out)
