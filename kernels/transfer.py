@@ -261,7 +261,7 @@ def gather_pages(kv_pool: torch.Tensor, pages: torch.Tensor, out: torch.Tensor) 
         )
     if num_blocks and not bool(((pages >= 0) & (pages < num_pages)).all()):
         raise ValueError(f"pages must be in 0..{num_pages - 1}, got {pages.tolist()}")
-    parts = out.unflatten(3, (per_block, page_tokens))
+    parts = out.view(*shape[:3], per_block, page_tokens, heads, head_dim)
     targets: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
     for block, runs in enumerate(_runs(pages)):
