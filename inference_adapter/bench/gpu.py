@@ -18,7 +18,9 @@ prompt of random tokens of its own:
    layer's ``wait_for_layer_load``, device synchronised); the rate is the KV loaded over the
    time from ``start_load`` to synchronised (median of ``--repeats``; the lookup apart).
 
-TTFT is the engine's own (admission to the first token, lookup and loads included). The first
+TTFT is the engine's own (admission to the first token, lookup and loads included); a hit's
+is split into the engine thread's time in the lookup, in ``start_load``, waiting for layers,
+and the rest (the tail's compute, sampling). The first
 token of recompute, miss and every hit must agree: exit status 1 when a row's differ. A row
 whose connector refuses the block and page sizes (ValueError) is reported as skipped, with its
 recompute TTFT. The table and ``--json FILE`` (every figure: ``setup``, ``limits``, ``rows``)

@@ -1,7 +1,8 @@
 """The report of ``kvstore bench gpu``: what ran on what (``describe_setup``), and the table
 (``render``): a header line (device, versions, dtype, model shape, block and page sizes), the
 copy limits, one row per prompt length (a row whose tokens differ names recompute's top-2
-logit margin and how far the hits' logits moved), then the rows skipped and why."""
+logit margin and how far the hits' logits moved), where a hit's TTFT went on the engine's
+thread, then the rows skipped and why."""
 
 from __future__ import annotations
 
@@ -102,10 +103,31 @@ def render(
                 "yes" if row["same_tokens"] else _mismatch(row),
             ]
         lines.append(f"| {' | '.join(cells)} |")
+    lines += _hit_phases(rows)
     lines += [
         f"skipped {row['prompt_tokens']}: {row['skipped']}" for row in rows if "skipped" in row
     ]
     return "\n".join(lines)
+
+
+def _hit_phases(rows: Sequence[Mapping[str, object]]) -> list[str]:
+    """Where a store hit's TTFT goes on the engine's thread (medians of the hits)."""
+    timed = [row for row in rows if "hit_rest_ms" in row]
+    if not timed:
+        return []
+    lines = [
+        "",
+        "store hit's TTFT on the engine thread (medians): lookup | start_load | waits for "
+        "layers | the rest (the tail's compute, sampling)",
+        "",
+        "| prompt | lookup | start_load | layer waits | rest |",
+        "|---|---|---|---|---|",
+    ]
+    for row in timed:
+        names = ("hit_lookup_ms", "hit_start_load_ms", "hit_layer_waits_ms", "hit_rest_ms")
+        cells = [f"{row['prompt_tokens']}", *(f"{row[name]:.1f} ms" for name in names)]
+        lines.append(f"| {' | '.join(cells)} |")
+    return lines
 
 
 def _mismatch(row: Mapping[str, object]) -> str:

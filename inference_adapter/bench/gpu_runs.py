@@ -14,8 +14,10 @@ import contextlib
 import gc
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -30,15 +32,42 @@ from kvstore.inference_adapter.pages import pages_for
 
 __all__ = ["GpuBench", "Run", "TimedConnector"]
 
+PHASES = ("lookup", "start_load", "layer_waits")  # TimedConnector.phases, in call order
 SAVE_TIMEOUT_S = 300.0
 LOAD_TIMEOUT_S = 60.0
 
 
 class TimedConnector(StoreConnector):
     """A ``StoreConnector`` that notes when the first ``save`` since ``save_started = None``
-    began."""
+    began, and adds up the engine thread's seconds in each protocol call (``phases``: the
+    lookup, ``start_load``, the waits for layers) until ``phases`` is cleared."""
 
     save_started: float | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.phases: dict[str, float] = defaultdict(float)
+
+    def num_loadable_tokens(self, request: Request) -> int:
+        start = time.perf_counter()
+        try:
+            return super().num_loadable_tokens(request)
+        finally:
+            self.phases["lookup"] += time.perf_counter() - start
+
+    def start_load(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
+        start = time.perf_counter()
+        try:
+            super().start_load(request, pages, num_tokens)
+        finally:
+            self.phases["start_load"] += time.perf_counter() - start
+
+    def wait_for_layer_load(self, request: Request, layer: int) -> bool:
+        start = time.perf_counter()
+        try:
+            return super().wait_for_layer_load(request, layer)
+        finally:
+            self.phases["layer_waits"] += time.perf_counter() - start
 
     def save(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
         if self.save_started is None:
@@ -54,6 +83,7 @@ class Run:
     token: int
     loaded_tokens: int
     logits: torch.Tensor  # [vocab_size] of the last prompt token
+    phases: dict[str, float] = field(default_factory=dict)  # TimedConnector.phases, seconds
 
 
 class GpuBench:
@@ -154,7 +184,15 @@ class GpuBench:
         top = recompute.logits.float().topk(2).values
         load_gbps, save_gbps = load_bytes / load_s / 1e9, saved * self.block_bytes / save_s / 1e9
         hit_s = statistics.median(hit.ttft_s for hit in hits)
+        phases = {
+            f"hit_{name}_ms": _ms(statistics.median(hit.phases.get(name, 0.0) for hit in hits))
+            for name in PHASES
+        }
+        phases["hit_rest_ms"] = _ms(
+            statistics.median(hit.ttft_s - sum(hit.phases.values()) for hit in hits)
+        )
         return {
+            **phases,
             "ttft_hit_ms": _ms(hit_s),
             "ttft_hit_ms_all": [_ms(hit.ttft_s) for hit in hits],
             "hit_vs_recompute": hit_s / recompute_s,
@@ -179,19 +217,21 @@ class GpuBench:
             "logit_max_diff": max(_diff(hit.logits, recompute.logits) for hit in hits),
         }
 
-    def _warm_up(self, engine: Engine, connector: StoreConnector, prompt: list[int]) -> None:
+    def _warm_up(self, engine: Engine, connector: TimedConnector, prompt: list[int]) -> None:
         """A miss and a hit of a short prompt of its own: first-call costs (threads, streams,
         kernel compiles, the arena's mapping) out of the timings."""
         for name in ("warm-up-miss", "warm-up-hit"):
             self._run(engine, prompt, name)
             connector.wait_for_saves(SAVE_TIMEOUT_S)
 
-    def _hit(self, engine: Engine, connector: StoreConnector, prompt: list[int], i: int) -> Run:
+    def _hit(self, engine: Engine, connector: TimedConnector, prompt: list[int], i: int) -> Run:
         """A run that must load every whole block of the prompt but the one holding its last
         token (the connector leaves at least one token to compute)."""
         expected = (len(prompt) - 1) // self.block_tokens * self.block_tokens
         loaded_before = connector.stats().loaded_blocks
+        connector.phases.clear()
         run = self._run(engine, prompt, f"hit-{i}")
+        run = replace(run, phases=dict(connector.phases))
         blocks = connector.stats().loaded_blocks - loaded_before
         if run.loaded_tokens != expected or blocks * self.block_tokens != expected:
             raise BenchmarkError(

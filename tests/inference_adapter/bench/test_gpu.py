@@ -76,7 +76,19 @@ def test_the_setup_and_the_limits_are_recorded(report: tuple[int, dict[str, Any]
     assert limits["memcpy_gbps"] > 0 and limits["copy_bytes"] == 8 << 20
     lines = table.splitlines()
     assert lines[0].startswith("kvstore bench gpu: CPU") and "memcpy" in lines[1]
-    assert sum(line.startswith(("| 64 |", "| 128 |")) for line in lines) == 2
+    # the main table and the hit's phases: a line per prompt in each
+    assert sum(line.startswith(("| 64 |", "| 128 |")) for line in lines) == 4
+
+
+def test_a_hit_s_ttft_is_split_into_the_engine_thread_s_phases(
+    report: tuple[int, dict[str, Any], str],
+) -> None:
+    _, data, _ = report
+    for row in data["rows"]:
+        phases = [row[f"hit_{name}_ms"] for name in ("lookup", "start_load", "layer_waits")]
+        assert phases[0] > 0 and phases[1] > 0 and phases[2] >= 0 and row["hit_rest_ms"] > 0
+        # one hit a row here: its phases and the rest add up to its TTFT
+        assert sum(phases) + row["hit_rest_ms"] == pytest.approx(row["ttft_hit_ms"])
 
 
 def run_one(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
