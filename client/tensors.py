@@ -7,7 +7,7 @@ for tensors only then (:func:`kvstore.client.shm.is_tensor`) and comes here for 
 - :func:`flat_bytes`: a contiguous tensor's bytes without a copy: a uint8 numpy view for a CPU
   tensor, a flat uint8 tensor for a tensor on another device;
 - :func:`host_bytes`: a tensor's bytes as a uint8 numpy array in host memory (a device
-  tensor is copied to the host);
+  tensor is copied to the host); :func:`host_span`: where a CPU tensor's bytes lie;
 - :func:`over`: a uint8 CPU tensor sharing a numpy array's memory (read-only arrays too);
 - :func:`copy_all`: copies between host and device tensors, asynchronous from pinned memory,
   all finished when it returns;
@@ -41,6 +41,7 @@ __all__ = [
     "empty",
     "flat_bytes",
     "host_bytes",
+    "host_span",
     "over",
     "register_host",
     "unregister_host",
@@ -115,6 +116,20 @@ def flat_bytes(tensor: torch.Tensor) -> Bytes | torch.Tensor:
         return flat
     array: Bytes = flat.numpy()
     return array
+
+
+def host_span(tensor: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
+    """``(address, length, tensor)`` of a contiguous CPU tensor's bytes; None for a tensor
+    on another device.
+
+    Raises:
+        ValueError: The tensor is not contiguous.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError(f"tensor must be contiguous, got strides {tensor.stride()}")
+    if not tensor.is_cpu:
+        return None
+    return tensor.data_ptr(), tensor.nbytes, tensor
 
 
 def host_bytes(tensor: torch.Tensor) -> Bytes:

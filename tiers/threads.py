@@ -7,7 +7,11 @@
   stops at about 2 GiB);
 - ``copy_arrays(pairs)`` copies byte arrays, a large copy split over up to ``COPY_LANES``
   threads: one thread's memcpy moves about half of what the memory can (numpy copies release
-  the GIL).
+  the GIL);
+- ``copy_spans(spans)`` does the same for ``(source address, target address, length)``
+  spans, for callers that hold many blocks: a span costs no array of its own (``memmove``
+  through ctypes, which releases the GIL too). The caller checks the spans and keeps their
+  memory alive and mapped until it returns.
 
 Shared by the host tier and the client's shared-memory mappings.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor  # loads the executor module now, not later
@@ -24,10 +29,11 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COPY_LANES", "copy_arrays", "pread_exactly", "run_to_completion"]
+__all__ = ["COPY_LANES", "Span", "copy_arrays", "copy_spans", "pread_exactly", "run_to_completion"]
 
 T = TypeVar("T")
 Bytes = npt.NDArray[np.uint8]
+Span = tuple[int, int, int]  # (source address, target address, length)
 
 COPY_LANES = max(1, min(4, len(os.sched_getaffinity(0))))  # threads of one large copy, at most
 LANE_BYTES = 2 << 20  # the least share of a copy worth a thread of its own
@@ -75,6 +81,52 @@ def _shares(pairs: Sequence[tuple[Bytes, Bytes]], size: int) -> list[list[tuple[
 def _copy_share(pairs: Sequence[tuple[Bytes, Bytes]]) -> None:
     for src, dst in pairs:
         np.copyto(dst, src)
+
+
+def copy_spans(spans: Sequence[Span]) -> None:
+    """``memmove(target, source, length)`` for each span, cut into up to ``COPY_LANES`` equal
+    shares as :func:`copy_arrays` cuts its pairs. Returns once every share is copied.
+
+    Nothing is checked here: every span must lie in memory that stays mapped, readable at
+    the source and writable at the target, until this returns.
+    """
+    total = sum(span[2] for span in spans)
+    lanes = min(COPY_LANES, total // LANE_BYTES)
+    if lanes < 2:
+        _move_share(spans)
+        return
+    shares = _span_shares(spans, -(-total // lanes))
+    pool = _copy_pool()
+    futures = [pool.submit(_move_share, share) for share in shares[1:]]
+    try:
+        _move_share(shares[0])
+    finally:
+        concurrent.futures.wait(futures)
+    for future in futures:
+        future.result()
+
+
+def _span_shares(spans: Sequence[Span], size: int) -> list[list[Span]]:
+    """The spans cut into consecutive shares of ``size`` bytes (the last one: the rest)."""
+    shares: list[list[Span]] = [[]]
+    room = size
+    for src, dst, length in spans:
+        start = 0
+        while start < length:
+            if room == 0:
+                shares.append([])
+                room = size
+            step = min(length - start, room)
+            shares[-1].append((src + start, dst + start, step))
+            room -= step
+            start += step
+    return shares
+
+
+def _move_share(spans: Sequence[Span]) -> None:
+    move = ctypes.memmove
+    for src, dst, length in spans:
+        move(dst, src, length)
 
 
 def _copy_pool() -> ThreadPoolExecutor:

@@ -69,6 +69,20 @@ async def test_copies_in_and_out_are_bit_exact(areas, length: int) -> None:
     assert await staging.checksums([(0, length)]) == [payload_checksum(data)]
 
 
+async def test_copies_refuse_buffers_of_another_size_and_read_only_targets(areas) -> None:
+    arena, staging, _ = areas
+    with pytest.raises(ValueError, match="4095-byte buffer cannot take a 4096-byte slot"):
+        await staging.copy_in([(0, 4096)], [bytes(4095)])
+    with pytest.raises(ValueError, match="8192-byte buffer"):
+        await arena.copy_out([(0, 4096)], [torch.zeros(2048, dtype=torch.int32)])
+    with pytest.raises(ValueError, match="read-only"):
+        await arena.copy_out([(0, 4096)], [bytes(4096)])
+    with pytest.raises(ValueError, match="contiguous"):
+        await arena.copy_out([(0, 4096)], [torch.zeros(32, 32, dtype=torch.int32).t()])
+    with pytest.raises(ValueError, match="outside"):
+        await arena.copy_out([(AREA_BYTES - 4095, 4096)], [bytearray(4096)])
+
+
 async def test_the_arena_cannot_be_written_from_here(areas) -> None:
     arena, _, daemon = areas
     daemon[8192:8196] = b"kvkv"

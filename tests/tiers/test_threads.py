@@ -48,3 +48,30 @@ def test_a_failed_share_is_raised_after_the_others_are_done(
     with pytest.raises(ValueError, match="read-only"):
         copy_arrays([good, (good[0].copy(), read_only)])
     assert good[1].all()  # the first share, copied on this thread, is whole
+
+
+@pytest.mark.parametrize("sizes", [[100], [LANE_BYTES * 4 + 3], [LANE_BYTES // 3 + 1] * 17])
+def test_spans_are_copied_bit_exact_however_the_bytes_are_cut(
+    sizes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(threads, "COPY_LANES", 3)
+    rng = np.random.default_rng(len(sizes))
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
+    targets = [np.zeros(size, dtype=np.uint8) for size in sizes]
+    spans = [
+        (s.ctypes.data, t.ctypes.data, s.nbytes) for s, t in zip(sources, targets, strict=True)
+    ]
+
+    threads.copy_spans(spans)
+
+    for source, target in zip(sources, targets, strict=True):
+        assert np.array_equal(source, target)
+
+
+def test_span_shares_cover_the_bytes_once_in_order() -> None:
+    shares = threads._span_shares([(100, 1000, 5), (200, 2000, 3), (300, 3000, 8)], 6)
+    assert shares == [
+        [(100, 1000, 5), (200, 2000, 1)],
+        [(201, 2001, 2), (300, 3000, 4)],
+        [(304, 3004, 4)],
+    ]
