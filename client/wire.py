@@ -215,6 +215,8 @@ def write_statuses(values: Sequence[int], count: int) -> list[WriteStatus]:
 
 
 class _Area(Protocol):
+    size: int
+
     def check(self, offset: int, length: int) -> None: ...
 
 
@@ -222,7 +224,12 @@ def check_slots(slots: Sequence[pb.Slot], count: int, size: int, arena: _Area) -
     """The leased slots as (offset, length), each ``size`` bytes inside the arena."""
     if len(slots) > count:
         raise ProtocolError(f"Acquire returned {len(slots)} slots for {count} keys")
-    return [_check_slot(slot, size, arena) for slot in slots]
+    pairs = [(slot.offset, slot.length) for slot in slots]
+    last = arena.size - size  # the highest offset a slot of ``size`` bytes may start at
+    for offset, length in pairs:
+        if length != size or offset > last:  # offsets are unsigned on the wire
+            _check_slot(pb.Slot(offset=offset, length=length), size, arena)  # raises
+    return pairs
 
 
 def check_checksums(values: Sequence[int], count: int) -> tuple[int, ...]:

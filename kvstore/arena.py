@@ -105,22 +105,42 @@ class ArenaPlane:
         owner: object = None,
         lease_id: int = 0,
     ) -> Acquired:
-        """Leases the leading held blocks of ``keys``, promoted into the arena and pinned."""
+        """Leases the leading held blocks of ``keys``, promoted into the arena and pinned.
+
+        A block already in the arena costs no await (the common case: a hit on the host
+        tier); its hit is counted as :meth:`Placement.record_hit` counts one, the counters
+        once per call.
+        """
         nodes: list[Node] = []
         slots: list[Slot] = []
-        counts = self._placement.counts  # a get per key tried, as BlockStore.get counts them
+        placement, host = self._placement, self._host
+        top = self._top.name
+        find, accessed, pin = self._index.find, placement.policy.accessed, host.pin_block
+        now = time.monotonic()
+        tried = misses = hits = hit_bytes = 0
         try:
             for key in keys:
-                counts["gets"] += 1
-                node = await self._placement.held(key, namespace)
-                if node is None:
-                    counts["misses"] += 1
-                    break
-                node.leases += 1  # so that promoting later blocks cannot evict this one
-                nodes.append(node)
-                slot = await self._into_arena(node)
+                tried += 1
+                node = find(key, namespace)
+                if node is not None and node.committed and not node.doomed and top in node.tiers:
+                    node.leases += 1  # so that promoting later blocks cannot evict this one
+                    nodes.append(node)
+                    node.hits += 1
+                    node.last_access = now
+                    accessed(node.id)
+                    hits += 1
+                    hit_bytes += node.size
+                    slot = pin(node.id)
+                else:  # not in the index (a shared tier may hold it), or below the arena
+                    node = await placement.held(key, namespace)
+                    if node is None:
+                        misses += 1
+                        break
+                    node.leases += 1
+                    nodes.append(node)
+                    slot = await self._into_arena(node)
                 if slot is None:
-                    counts["misses"] += 1  # held, but no room in the arena for it
+                    misses += 1  # held, but no room in the arena for it
                     break
                 slots.append(slot)
         except BaseException:
@@ -129,6 +149,12 @@ class ArenaPlane:
         finally:
             for node in nodes:
                 node.leases -= 1
+            counts = placement.counts  # a get per key tried, as BlockStore.get counts them
+            counts["gets"] += tried
+            counts["misses"] += misses
+            if hits:
+                counts[f"hits.{top}"] += hits
+                counts[f"read_bytes.{top}"] += hit_bytes
         arena_id = self._host.arena(self._partition_of(namespace)).arena_id
         if self._leases.released_early(lease_id, owner):  # its caller gave up: grant nothing
             self._unpin(slots)

@@ -135,11 +135,13 @@ class LeaseTable:
         if self._unpin is not None:
             for slot in entry.slots:
                 self._unpin(slot)
+        get, settle = self._index.get, self._placement.settle
         for block in entry.blocks:
-            node = self._index.get(block)
+            node = get(block)
             if node is not None:
                 node.leases -= 1
-                await self._placement.settle(node)
+                if node.doomed or not node.tiers:  # else settling it would do nothing
+                    await settle(node)
 
     def _remember(self, owner: object, lease_id: int) -> None:
         self._tombstones[(owner, lease_id)] = time.monotonic() + self.default_ttl
