@@ -45,7 +45,13 @@ import numpy.typing as npt
 from kvstore.blocks import payload_checksum
 from kvstore.client.errors import CorruptBlockError
 from kvstore.shm_wire import Hello, SessionError, SessionInfo, decode_reply, encode_hello, read_line
-from kvstore.tiers.threads import Span, copy_spans, pread_exactly, run_to_completion
+from kvstore.tiers.threads import (
+    COPY_LANES,
+    Span,
+    copy_spans,
+    pread_exactly,
+    run_to_completion,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +79,7 @@ __all__ = [
 ]
 
 COPY_IN_THREAD_BYTES = 1 << 20
+PUT_COPY_LANES = max(1, COPY_LANES // 2)  # a put's copy leaves the other cores to the daemon
 OPEN_SECONDS = 5.0
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -191,12 +198,17 @@ class _Mapping:
             return whole[offset : offset + length].toreadonly()
 
     async def _copy(
-        self, slots: Slots, data: Sequence[Payload | Target], *, into_slots: bool
+        self,
+        slots: Slots,
+        data: Sequence[Payload | Target],
+        *,
+        into_slots: bool,
+        lanes: int | None = None,
     ) -> None:
         """Copies ``data[i]`` into slot i (``into_slots``), or slot i into ``data[i]``, in a
         worker thread when the bytes are many: ``memmove`` between host buffers by address
-        (a large copy split over a few threads), torch's ``copy_`` for a tensor on a device
-        (asynchronous from a pinned arena).
+        (a large copy split over ``lanes`` threads at most, default ``COPY_LANES``), torch's
+        ``copy_`` for a tensor on a device (asynchronous from a pinned arena).
 
         Raises:
             ValueError: a slot outside the area, a buffer of another length than its slot,
@@ -225,7 +237,7 @@ class _Mapping:
         pinned = self.pinned
 
         def copy_all() -> None:
-            copy_spans(spans)
+            copy_spans(spans, lanes)
             if on_device:
                 from kvstore.client import tensors
 
@@ -353,8 +365,9 @@ class Staging(_Mapping):
         super().__init__(fd, size, writable=True, pin=pin)
 
     async def copy_in(self, slots: Slots, sources: Sequence[Payload]) -> None:
-        """Copies each source into the slot of the same index (exactly ``length`` bytes)."""
-        await self._copy(slots, sources, into_slots=True)
+        """Copies each source into the slot of the same index (exactly ``length`` bytes), on
+        half the copy lanes: the daemon copies the batch before from staging meanwhile."""
+        await self._copy(slots, sources, into_slots=True, lanes=PUT_COPY_LANES)
 
     async def checksums(self, slots: Slots) -> list[int]:
         """The xxh3-64 of each slot's bytes, as the daemon will check them at Commit."""

@@ -43,7 +43,10 @@ __all__ = ["Leased", "acquire", "get_stream", "put_shm", "put_stream", "release"
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
-PIPELINE_BYTES = 32 << 20  # a put's blocks per Reserve/Commit round trip, about
+PIPELINE_BYTES = 32 << 20  # the most bytes of a put per Reserve/Commit round trip, about
+MIN_BATCH_BYTES = 4 << 20  # the least, unless the put is smaller
+PIPELINE_BATCHES = 8  # a put is cut into this many batches when the sizes above allow
+PIPELINE_DEPTH = 3  # batches between their Reserve and their Commit's reply at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,20 +137,43 @@ async def put_shm(
     """Reserve -> write -> Commit, in batches that fit the staging area; one final status
     per block of ``size`` bytes.
 
-    Two batches are in flight at once: this process copies one into the staging area while
-    the daemon copies the one before into the arena.
+    The batches form a pipeline: while this process copies batch k into the staging area
+    (one batch at a time, in order, on half the copy lanes), the daemon copies batch k - 1
+    into the arena and reserves batch k + 1. At most ``PIPELINE_DEPTH`` batches are between
+    their Reserve and their Commit's reply at once. A put is cut into ``PIPELINE_BATCHES``
+    batches (of ``MIN_BATCH_BYTES`` to ``PIPELINE_BYTES``), so that a short one overlaps too.
     """
     budget = session.budget
     slot = budget.slot_bytes(size)
-    per_batch = max(1, min(PIPELINE_BYTES, budget.total // 2) // slot)
-    lanes = asyncio.Semaphore(2)
+    wanted = slot * len(specs) // PIPELINE_BATCHES
+    batch_bytes = min(PIPELINE_BYTES, max(MIN_BATCH_BYTES, wanted), budget.total // PIPELINE_DEPTH)
+    per_batch = max(1, batch_bytes // slot)
+    starts = range(0, len(specs), per_batch)
+    # Per batch: it holds its staging bytes (taken in order, so that no batch waits for
+    # bytes a later batch of this put holds), its copy is done, it is over.
+    held = [asyncio.Event() for _ in starts]
+    copied = [asyncio.Event() for _ in starts]
+    over = [asyncio.Event() for _ in starts]
 
-    async def batch(start: int) -> list[WriteStatus]:
+    async def batch(i: int, start: int) -> list[WriteStatus]:
         part = slice(start, start + per_batch)
-        async with lanes, budget.hold(slot * len(specs[part])):
-            return await _put_batch(conn, session, digest, specs[part], blocks[part], size, verify)
+        try:
+            if i >= PIPELINE_DEPTH:
+                await over[i - PIPELINE_DEPTH].wait()
+            if i:
+                await held[i - 1].wait()
+            async with budget.hold(slot * len(specs[part])):
+                held[i].set()
+                return await _put_batch(
+                    conn, session, digest, specs[part], blocks[part], size, verify,
+                    after=copied[i - 1] if i else None, copied=copied[i],
+                )  # fmt: skip
+        finally:
+            held[i].set()
+            copied[i].set()
+            over[i].set()
 
-    done = await asyncio.gather(*(batch(start) for start in range(0, len(specs), per_batch)))
+    done = await asyncio.gather(*(batch(i, start) for i, start in enumerate(starts)))
     return [status for statuses in done for status in statuses]
 
 
@@ -159,7 +185,12 @@ async def _put_batch(
     blocks: Sequence[Payload],
     size: int,
     verify: bool,
+    *,
+    after: asyncio.Event | None = None,
+    copied: asyncio.Event | None = None,
 ) -> list[WriteStatus]:
+    """One batch: Reserve; once ``after`` is set (the batch before is copied), the copy into
+    the staging area, then ``copied`` is set; Commit."""
     request = pb.ReserveRequest(namespace=digest, blocks=specs, session=session.session_id)
 
     async def undo(reply: pb.ReserveResponse) -> None:
@@ -178,7 +209,13 @@ async def _put_batch(
         keys = [specs[index].key for index in reserved]
         try:
             conn.check_fresh(session, "Reserve")
-            await session.staging.copy_in(slots, [blocks[index] for index in reserved])
+            if after is not None:
+                await after.wait()
+            try:
+                await session.staging.copy_in(slots, [blocks[index] for index in reserved])
+            finally:
+                if copied is not None:
+                    copied.set()
             sums = await session.staging.checksums(slots) if verify else []
         except BaseException:
             await _abort(conn, session, digest, keys)

@@ -83,15 +83,16 @@ def _copy_share(pairs: Sequence[tuple[Bytes, Bytes]]) -> None:
         np.copyto(dst, src)
 
 
-def copy_spans(spans: Sequence[Span]) -> None:
-    """``memmove(target, source, length)`` for each span, cut into up to ``COPY_LANES`` equal
-    shares as :func:`copy_arrays` cuts its pairs. Returns once every share is copied.
+def copy_spans(spans: Sequence[Span], lanes: int | None = None) -> None:
+    """``memmove(target, source, length)`` for each span, cut into up to ``lanes`` (default
+    ``COPY_LANES``) equal shares as :func:`copy_arrays` cuts its pairs. Returns once every
+    share is copied.
 
     Nothing is checked here: every span must lie in memory that stays mapped, readable at
     the source and writable at the target, until this returns.
     """
     total = sum(span[2] for span in spans)
-    lanes = min(COPY_LANES, total // LANE_BYTES)
+    lanes = min(COPY_LANES if lanes is None else lanes, total // LANE_BYTES)
     if lanes < 2:
         _move_share(spans)
         return

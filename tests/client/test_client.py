@@ -21,8 +21,10 @@ from kvstore.client import (
     NotConnectedError,
     WriteStatus,
     block_keys,
+    transfer,
 )
 from kvstore.client.shm import Arena
+from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from tests.client.conftest import SMALL
 from tests.support.daemon import Daemon
 
@@ -232,6 +234,57 @@ async def test_many_concurrent_puts_and_gets(
     got = await asyncio.gather(*(any_client.get(small_namespace, k) for k in chains))
 
     assert got == blocks
+
+
+async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
+    daemon: Daemon, namespace: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put cut into batches: each copied into staging after the one before, at most
+    PIPELINE_DEPTH between their Reserve and their Commit's reply, every status in its
+    place (blocks stored before answer DEDUP from the middle of the put)."""
+    monkeypatch.setattr(transfer, "MIN_BATCH_BYTES", 1)  # batches of one block
+    keys, blocks = chain(namespace, 12), payloads(namespace, 12)
+    size = namespace.model.layout().payload_bytes
+    async with AsyncKVStoreClient(daemon.address, staging_bytes=4 * size) as client:
+        assert (
+            await client.put(namespace, keys[5:7], blocks[5:7], parent=keys[4])
+            == [WriteStatus.STORED] * 2
+        )
+        session = await client._conn.session(namespace.tenant)
+        assert session is not None
+        copied: list[int] = []
+        in_flight = most = 0
+        copy_in, unary = session.staging.copy_in, client._conn.unary
+
+        async def spy_copy(slots, sources):  # type: ignore[no-untyped-def]
+            copied.extend(blocks.index(source) for source in sources)
+            await copy_in(slots, sources)
+
+        async def spy_unary(method, request, reply):  # type: ignore[no-untyped-def]
+            nonlocal in_flight, most
+            in_flight += method == "Reserve"
+            most = max(most, in_flight)
+            answer = None
+            try:
+                answer = await unary(method, request, reply)
+                return answer
+            finally:
+                nothing_reserved = method == "Reserve" and not any(
+                    r.status == pb.RESERVED for r in getattr(answer, "reservations", ())
+                )
+                in_flight -= method == "Commit" or nothing_reserved
+
+        monkeypatch.setattr(session.staging, "copy_in", spy_copy)
+        monkeypatch.setattr(client._conn, "unary", spy_unary)
+        statuses = await client.put(namespace, keys, blocks)
+
+        assert (
+            statuses
+            == [WriteStatus.STORED] * 5 + [WriteStatus.DEDUP] * 2 + [WriteStatus.STORED] * 5
+        )
+        assert copied == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11]
+        assert 1 < most <= transfer.PIPELINE_DEPTH
+        assert await client.get(namespace, keys) == blocks
 
 
 async def test_calls_before_connect_raise(daemon: Daemon, namespace: Namespace) -> None:
