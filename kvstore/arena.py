@@ -81,6 +81,8 @@ class ArenaPlane:
         self._counts = counts
         self._partition_of = partition_of  # namespace -> the arena its blocks live in
         self._reservations: dict[bytes, _Reservation] = {}
+        # Whether a lower tier takes a copy at put (else a commit awaits nothing per block).
+        self._writes_on_put = any(slot.write.on_put for slot in placement.tiers[1:])
 
     def __len__(self) -> int:
         return len(self._reservations)
@@ -313,12 +315,13 @@ class ArenaPlane:
         node.checksum = found
         self._placement.index.add_copy(node, self._top.name)
         self._counts[f"written_bytes.{self._top.name}"] += node.size
-        node.busy += 1
-        try:
-            with self._host.view(slot) as payload:
-                await self._placement.write_through(node, payload)
-        finally:
-            node.busy -= 1
+        if self._writes_on_put:
+            node.busy += 1
+            try:
+                with self._host.view(slot) as payload:
+                    await self._placement.write_through(node, payload)
+            finally:
+                node.busy -= 1
         self._index.commit(node.id)
         self._counts["puts"] += 1
         return PutStatus.STORED

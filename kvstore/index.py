@@ -182,6 +182,7 @@ class RadixIndex:
             )
         meta = self._metas.setdefault(meta, meta)
         node = Node(key=key, parent=parent, meta=meta, size=size, id=block_id(key, meta.namespace))
+        collector.untrack(node)  # first: the dicts it goes into then stay untracked (cheaper)
         self._nodes[node.id] = node
         space = self._spaces.get(meta.namespace)
         if space is None:
@@ -194,7 +195,7 @@ class RadixIndex:
         siblings[node.id] = None
         # The node refers to bytes, shared values and dicts of atoms, and the dicts hold
         # nodes or atoms only: no cycle to find, so the garbage collector never walks them.
-        for obj in (node, self._nodes, space, self._spaces):
+        for obj in (self._nodes, space, self._spaces):
             collector.untrack(obj)
         for child in self._children.get(node.id, ()):  # children that came first
             for tier in self._nodes[child].tiers:

@@ -299,6 +299,9 @@ class ArenaAllocator:
         start, num_slots = place
         self._free.take(start, pages * num_slots)
         slab = _Slab(start, pages, num_slots)
+        # A slab refers to ints and a list of ints: hidden from the collector, it leaves the
+        # map of live slots untracked as slots are allocated (see allocate).
+        collector.untrack(slab)
         self._slabs[start] = slab
         bisect.insort(self._open.setdefault(pages, []), start)
         return slab
