@@ -28,7 +28,8 @@ call:
   of ``L`` calls. Limit: a raw unary echo of a request of the same size.
 
 Each throughput row is the median of ``R`` timed rounds after one untimed warm-up round; a
-round runs each op and its limit, alternating which goes first. Only the calls are timed:
+round runs each op and its limit, alternating which goes first, 50 ms apart (torch's
+intra-op threads stop spinning meanwhile). Only the calls are timed:
 deleting the chain before a put and checking the bytes after a get run between them. Lookup
 calls take turns (held, miss, echo), after a few untimed calls of each. The machine line
 includes the load average before the run: other processes on the cores skew both sides.
@@ -37,6 +38,7 @@ includes the load average before the run: other processes on the cores skew both
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import json
@@ -83,6 +85,7 @@ Timed = Callable[[], Awaitable[float]]  # one call, checked after its clock stop
 
 TARGETS = {"shm": 0.5, "stream": 0.8}  # least op / limit throughput ratio, per data plane
 LOOKUP_P99_MS = 1.0
+QUIET_SECONDS = 0.05  # between timed calls (see paired)
 LOOKUP_KEYS, LOOKUP_BLOCK_TOKENS = 512, 256  # a 128K-token chain
 WARM_UP_CALLS = 20
 KV_HEADS, HEAD_DIM = 8, 128  # Llama-3-8B-like heads: 4 KiB of float16 K+V per layer and token
@@ -159,12 +162,19 @@ async def clocked(call: Awaitable[T]) -> tuple[T, float]:
 
 
 def paired(name: str, op: Timed, limit_name: str, limit: Timed) -> Step:
-    """One round of an op and its limit; every other round runs the limit first."""
+    """One round of an op and its limit; every other round runs the limit first. Each call
+    starts ``QUIET_SECONDS`` after the one before: torch's intra-op threads spin for a few
+    milliseconds after a parallel ``copy_`` (or ``torch.equal``), and an op started then
+    runs on one core (this took a 64-block shm get from 6.2 to 3.0 GB/s)."""
     turns = itertools.count()
+
+    async def quiet(run: Timed) -> float:
+        await asyncio.sleep(QUIET_SECONDS)
+        return await run()
 
     async def step() -> dict[str, float]:
         order = [(name, op), (limit_name, limit)]
-        return {n: await run() for n, run in (order[::-1] if next(turns) % 2 else order)}
+        return {n: await quiet(run) for n, run in (order[::-1] if next(turns) % 2 else order)}
 
     return step
 
@@ -184,7 +194,7 @@ def client_ops(client: AsyncKVStoreClient, chain: Chain) -> tuple[Timed, Timed]:
         return spent
 
     async def get() -> float:
-        chain.out.zero_()
+        chain.out.numpy().fill(0)  # on this thread: no torch threads left spinning meanwhile
         found, spent = await clocked(client.get(namespace, keys, out=outs))
         expect(len(found) == count, f"{plane} get found {len(found)} of {count} blocks")
         expect(torch.equal(chain.out, chain.blocks), f"{plane} get returned other bytes")
