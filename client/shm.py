@@ -13,9 +13,11 @@ memory files:
   arena and check them. :class:`StagingBudget` keeps concurrent puts within its size.
 
 :meth:`ShmSession.open` runs the exchange; the session lasts until :meth:`ShmSession.aclose`
-(or this process exits). Bytes are copied with numpy; a torch tensor (possible only once
-torch is imported: :func:`is_tensor`) is copied through a uint8 numpy view when it is on
-the CPU and with torch's ``copy_`` when it is on a device (:mod:`kvstore.client.tensors`).
+(or this process exits). Bytes in host memory are copied by address (``memmove``, after
+checking each buffer's size, bounds and writability; numpy reads a buffer's address); a torch
+tensor (possible only once torch is imported: :func:`is_tensor`) by its data pointer when it
+is on the CPU, with no numpy array per block, and with torch's ``copy_`` when it is on a
+device (:mod:`kvstore.client.tensors`).
 Copies of ``COPY_IN_THREAD_BYTES`` or more run in a worker thread (both drop the GIL), and a
 cancelled caller still waits for that thread: a slot is released or aborted only once nothing
 touches it any more. :func:`verify` checks bytes against the checksum the daemon recorded
