@@ -1,8 +1,9 @@
 """Torch tensors as the client's payloads and targets; imported only once torch is.
 
 The client moves host bytes by address (``memmove`` through ctypes, which releases the GIL)
-and reads them with numpy, so neither the client nor the daemon needs torch. A tensor can only exist once torch has been imported, so the client looks
-for tensors only then (:func:`kvstore.client.shm.is_tensor`) and comes here for them:
+and reads them with numpy, so neither the client nor the daemon needs torch. A tensor can
+only exist once torch has been imported, so the client looks for tensors only then
+(:func:`kvstore.client.shm.is_tensor`) and comes here for them:
 
 - :func:`flat_bytes`: a contiguous tensor's bytes without a copy: a uint8 numpy view for a CPU
   tensor, a flat uint8 tensor for a tensor on another device;
