@@ -219,17 +219,10 @@ class ArenaPlane:
         self, key: bytes, parent: bytes, meta: BlockMeta, ttl: float | None, owner: object
     ) -> Reserved:
         """Holds arena space for a block that ``owner`` will fill, then commit."""
+        done = self.reserve_now(key, parent, meta, ttl, owner)
+        if done is not None:
+            return done
         size = meta.layout.payload_bytes
-        if not self._host.fits(size):
-            raise InvalidBlockError(
-                f"a block of {size} bytes can never fit in the host tier "
-                f"({self._host.capacity()} bytes)"
-            )
-        existing = self._index.find(key, meta.namespace)
-        if existing is not None:
-            existing.doomed = False
-            self._counts["dedup_puts"] += 1
-            return Reserved(PutStatus.DEDUP)
         node = self._index.begin(key, parent, meta, size)
         try:
             slot = await self._reserve_slot(node.id, size)
@@ -240,9 +233,38 @@ class ArenaPlane:
             self._index.discard(node.id)
             self._counts["dropped_saves"] += 1
             return Reserved(PutStatus.NO_SPACE)
+        self._hold(node, slot, ttl, owner)
+        return Reserved(PutStatus.RESERVED, slot)
+
+    def reserve_now(
+        self, key: bytes, parent: bytes, meta: BlockMeta, ttl: float | None, owner: object
+    ) -> Reserved | None:
+        """:meth:`reserve` without an await: DEDUP, or RESERVED when the arena has room now;
+        ``None`` (nothing changed) when blocks must be evicted first."""
+        size = meta.layout.payload_bytes
+        host = self._host
+        if not host.fits(size):
+            raise InvalidBlockError(
+                f"a block of {size} bytes can never fit in the host tier ({host.capacity()} bytes)"
+            )
+        existing = self._index.find(key, meta.namespace)
+        if existing is not None:
+            existing.doomed = False
+            self._counts["dedup_puts"] += 1
+            return Reserved(PutStatus.DEDUP)
+        if host.usage() + host.slot_bytes(size) > host.capacity():
+            return None
+        node = self._index.begin(key, parent, meta, size)
+        slot = host.reserve(node.id, size)
+        if slot is None:
+            self._index.discard(node.id)
+            return None
+        self._hold(node, slot, ttl, owner)
+        return Reserved(PutStatus.RESERVED, slot)
+
+    def _hold(self, node: Node, slot: Slot, ttl: float | None, owner: object) -> None:
         lifetime = self._leases.default_ttl if ttl is None or ttl <= 0 else ttl
         self._reservations[node.id] = _Reservation(node, slot, owner, time.monotonic() + lifetime)
-        return Reserved(PutStatus.RESERVED, slot)
 
     async def _reserve_slot(self, block: bytes, size: int) -> Slot | None:
         while True:

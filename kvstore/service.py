@@ -395,38 +395,51 @@ class KVStoreService:
         """
         layout = self.layout_of(namespace, tenant=tenant)
         check_count("blocks", len(blocks))
+        tokens = layout.block_tokens
         for i, spec in enumerate(blocks):
-            check_spec(f"blocks[{i}]", spec, layout)
+            key, parent = spec.key, spec.parent
+            if len(key) != KEY_BYTES or len(parent) != KEY_BYTES or parent == key:
+                check_spec(f"blocks[{i}]", spec, layout)  # raises, naming the field
+            if spec.num_tokens != tokens:
+                check_spec(f"blocks[{i}]", spec, layout)
         writer = self._session(session, tenant)
         ttl = self._server.lease_ttl
+        meta = BlockMeta(namespace, tokens, layout)  # every block's: only full blocks are taken
+        store, size = self._store, layout.payload_bytes
         items: list[Reserved] = []
         reaped = False
         for spec in blocks:
-            if spec.key + namespace in writer.slots:  # named twice: this session writes it
+            block = spec.key + namespace
+            if block in writer.slots:  # named twice: this session writes it
                 items.append(Reserved(PutStatus.DEDUP))
                 continue
-            staging = writer.take(spec.key + namespace, layout.payload_bytes)
+            staging = writer.take(block, size)
             if staging is None and not reaped:  # once per call: the reap walks every slot
                 self._reap(writer)
                 reaped = True
-                staging = writer.take(spec.key + namespace, layout.payload_bytes)
+                staging = writer.take(block, size)
             if staging is None:  # the staging area is full: the rest waits for a later put
                 items += [Reserved(PutStatus.NO_SPACE)] * (len(blocks) - len(items))
                 break
-            items.append(await self._reserve_one(namespace, spec, layout, writer, staging, ttl))
+            # No await when the arena has room: no reap can run meanwhile.
+            try:
+                reserved = store.reserve_now(spec.key, spec.parent, meta, ttl, owner=writer.id)
+            except BaseException:
+                writer.give(block)
+                raise
+            if reserved is None:  # it must make room first
+                items.append(await self._reserve_one(spec, meta, writer, staging, ttl))
+            elif reserved.status is PutStatus.RESERVED:
+                items.append(Reserved(PutStatus.RESERVED, staging))
+            else:
+                writer.give(block)
+                items.append(reserved)
         return Reservations(tuple(items), ttl)
 
     async def _reserve_one(
-        self,
-        namespace: bytes,
-        spec: BlockSpec,
-        layout: BlockLayout,
-        writer: Session,
-        staging: Slot,
-        ttl: float,
+        self, spec: BlockSpec, meta: BlockMeta, writer: Session, staging: Slot, ttl: float
     ) -> Reserved:
-        block = spec.key + namespace
-        meta = BlockMeta(namespace, spec.num_tokens, layout)
+        block = spec.key + meta.namespace
         writer.reserving.add(block)  # its staging slot is taken: no reap may free it
         try:
             reserved = await self._store.reserve(

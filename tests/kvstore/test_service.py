@@ -217,6 +217,33 @@ async def test_validation_errors_name_the_bad_value(service) -> None:
         await service.release(12345)
 
 
+async def test_a_reserve_into_a_full_arena_evicts_before_it_reserves(
+    service, store, session
+) -> None:
+    """The arena holds 64 blocks and is full (no watermark drains it): a Reserve reserves
+    nothing while every block is leased, and makes room (the least recently used leaf goes
+    down to SSD) once none is."""
+    store.set_watermarks(1.0, 0.99)
+    ns = service.register_namespace(MODEL, "alice")
+    held = blocks_of("alice", 64)
+    for spec, payload in held:
+        assert await service.put(ns, spec, payload) == PutStatus.STORED
+    assert (await service.lookup(ns, keys(held))).runs == (("host", 64),)
+    new = blocks_of("alice", 2, salt=1)
+    specs = [spec for spec, _ in new]
+
+    acquired = await service.acquire(ns, keys(held), lease_seconds=5.0)
+    assert acquired.lease.num_blocks == 64
+    reserved = await service.reserve(ns, specs, session=session.session_id)
+    assert [r.status for r in reserved.items] == [PutStatus.NO_SPACE] * 2
+    await service.release(acquired.lease.lease_id)
+    reserved = await service.reserve(ns, specs, session=session.session_id)
+
+    assert [r.status for r in reserved.items] == [PutStatus.RESERVED] * 2
+    assert (await service.lookup(ns, keys(held))).runs == (("host", 62), ("ssd", 2))
+    await service.abort(ns, keys(new), session=session.session_id)
+
+
 async def test_reserve_write_commit_acquire_read_release(service, session) -> None:
     ns = service.register_namespace(MODEL, "alice")
     blocks = blocks_of("alice", 2)
