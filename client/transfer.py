@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 PIPELINE_BYTES = 32 << 20  # the most bytes of a put per Reserve/Commit round trip, about
 MIN_BATCH_BYTES = 4 << 20  # the least, unless the put is smaller
-PIPELINE_BATCHES = 8  # a put is cut into this many batches when the sizes above allow
-PIPELINE_DEPTH = 3  # batches between their Reserve and their Commit's reply at once
+PIPELINE_BATCHES = 4  # a put is cut into this many batches when the sizes above allow
+STAGING_SHARE = 3  # a batch takes at most 1 / STAGING_SHARE of the staging area
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,27 +139,24 @@ async def put_shm(
 
     The batches form a pipeline: while this process copies batch k into the staging area
     (one batch at a time, in order, on half the copy lanes), the daemon copies batch k - 1
-    into the arena and reserves batch k + 1. At most ``PIPELINE_DEPTH`` batches are between
-    their Reserve and their Commit's reply at once. A put is cut into ``PIPELINE_BATCHES``
-    batches (of ``MIN_BATCH_BYTES`` to ``PIPELINE_BYTES``), so that a short one overlaps too.
+    into the arena and reserves the batches after. A batch holds its share of the staging
+    area from its Reserve to its Commit's reply; batches take their shares in order, so no
+    batch waits for bytes a later batch of the same put holds. A put is cut into
+    ``PIPELINE_BATCHES`` batches (of ``MIN_BATCH_BYTES`` to ``PIPELINE_BYTES``), so that a
+    short one overlaps too.
     """
     budget = session.budget
     slot = budget.slot_bytes(size)
     wanted = slot * len(specs) // PIPELINE_BATCHES
-    batch_bytes = min(PIPELINE_BYTES, max(MIN_BATCH_BYTES, wanted), budget.total // PIPELINE_DEPTH)
-    per_batch = max(1, batch_bytes // slot)
+    most = budget.total // STAGING_SHARE
+    per_batch = max(1, min(PIPELINE_BYTES, max(MIN_BATCH_BYTES, wanted), most) // slot)
     starts = range(0, len(specs), per_batch)
-    # Per batch: it holds its staging bytes (taken in order, so that no batch waits for
-    # bytes a later batch of this put holds), its copy is done, it is over.
-    held = [asyncio.Event() for _ in starts]
-    copied = [asyncio.Event() for _ in starts]
-    over = [asyncio.Event() for _ in starts]
+    held = [asyncio.Event() for _ in starts]  # batch i holds its staging bytes, or is over
+    copied = [asyncio.Event() for _ in starts]  # batch i is in the staging area, or is over
 
     async def batch(i: int, start: int) -> list[WriteStatus]:
         part = slice(start, start + per_batch)
         try:
-            if i >= PIPELINE_DEPTH:
-                await over[i - PIPELINE_DEPTH].wait()
             if i:
                 await held[i - 1].wait()
             async with budget.hold(slot * len(specs[part])):
@@ -171,7 +168,6 @@ async def put_shm(
         finally:
             held[i].set()
             copied[i].set()
-            over[i].set()
 
     done = await asyncio.gather(*(batch(i, start) for i, start in enumerate(starts)))
     return [status for statuses in done for status in statuses]

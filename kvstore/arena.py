@@ -18,6 +18,7 @@ daemon hands out ``(offset, length)`` slots:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -81,6 +82,11 @@ class ArenaPlane:
         self._counts = counts
         self._partition_of = partition_of  # namespace -> the arena its blocks live in
         self._reservations: dict[bytes, _Reservation] = {}
+        # Commits copy into the arena one call at a time, in the order they came: several
+        # copying threads finished together, later than one after another, and the writer's
+        # pipeline waits for the first commit's reply (measured: 4 commits of 8 MiB at once
+        # took 11 ms, the last of them done first).
+        self._copying = asyncio.Lock()
         # Whether a lower tier takes a copy at put (else a commit awaits nothing per block).
         self._writes_on_put = any(slot.write.on_put for slot in placement.tiers[1:])
 
@@ -321,7 +327,8 @@ class ArenaPlane:
         views = [self._host.view(slot) for slot, _ in items]
         try:
             jobs = [(view, source) for view, (_, source) in zip(views, items, strict=True)]
-            return await offload(sum(v.nbytes for v in views), _sum_all, jobs)
+            async with self._copying:
+                return await offload(sum(v.nbytes for v in views), _sum_all, jobs)
         finally:
             for view in views:
                 view.release()

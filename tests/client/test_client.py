@@ -239,9 +239,10 @@ async def test_many_concurrent_puts_and_gets(
 async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
     daemon: Daemon, namespace: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A put cut into batches: each copied into staging after the one before, at most
-    PIPELINE_DEPTH between their Reserve and their Commit's reply, every status in its
-    place (blocks stored before answer DEDUP from the middle of the put)."""
+    """A put cut into batches: each copied into staging after the one before, at most four
+    (what the staging area holds) between their Reserve and their Commit's reply at once,
+    every status in its place (blocks stored before answer DEDUP from the middle of the
+    put)."""
     monkeypatch.setattr(transfer, "MIN_BATCH_BYTES", 1)  # batches of one block
     keys, blocks = chain(namespace, 12), payloads(namespace, 12)
     size = namespace.model.layout().payload_bytes
@@ -283,7 +284,7 @@ async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
             == [WriteStatus.STORED] * 5 + [WriteStatus.DEDUP] * 2 + [WriteStatus.STORED] * 5
         )
         assert copied == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11]
-        assert 1 < most <= transfer.PIPELINE_DEPTH
+        assert 1 < most <= 4
         assert await client.get(namespace, keys) == blocks
 
 
