@@ -1,7 +1,9 @@
 """Fused copy + RoPE between the store's staging buffer and the paged pool.
 
-The store keeps K before RoPE (position-decoupled), the pool holds it after. Two directions,
-one kernel (``_copy_blocks_kernel``, ``SAVE`` picks the direction):
+The pool holds K after RoPE. The inference adapter stores K as the pool holds it and moves
+it with plain copies (``rope=None``); the rotating forms serve a caller whose staging holds K
+before RoPE. Two directions, one kernel (``_copy_blocks_kernel``, ``SAVE`` picks the
+direction):
 
 - ``load_blocks``: staging -> pool. V is copied; K is rotated to ``positions``, the positions
   the tokens occupy *now* (a truncated context shifts them).
