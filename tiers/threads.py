@@ -34,6 +34,7 @@ __all__ = ["COPY_LANES", "Span", "copy_arrays", "copy_spans", "pread_exactly", "
 T = TypeVar("T")
 Bytes = npt.NDArray[np.uint8]
 Span = tuple[int, int, int]  # (source address, target address, length)
+ShareT = TypeVar("ShareT")
 
 COPY_LANES = max(1, min(4, len(os.sched_getaffinity(0))))  # threads of one large copy, at most
 LANE_BYTES = 2 << 20  # the least share of a copy worth a thread of its own
@@ -50,15 +51,7 @@ def copy_arrays(pairs: Sequence[tuple[Bytes, Bytes]]) -> None:
     if lanes < 2:
         _copy_share(pairs)
         return
-    shares = _shares(pairs, -(-total // lanes))
-    pool = _copy_pool()
-    futures = [pool.submit(_copy_share, share) for share in shares[1:]]
-    try:
-        _copy_share(shares[0])
-    finally:
-        concurrent.futures.wait(futures)
-    for future in futures:
-        future.result()
+    _in_lanes(_shares(pairs, -(-total // lanes)), _copy_share)
 
 
 def _shares(pairs: Sequence[tuple[Bytes, Bytes]], size: int) -> list[list[tuple[Bytes, Bytes]]]:
@@ -96,11 +89,16 @@ def copy_spans(spans: Sequence[Span], lanes: int | None = None) -> None:
     if lanes < 2:
         _move_share(spans)
         return
-    shares = _span_shares(spans, -(-total // lanes))
+    _in_lanes(_span_shares(spans, -(-total // lanes)), _move_share)
+
+
+def _in_lanes(shares: Sequence[ShareT], copy: Callable[[ShareT], None]) -> None:
+    """``copy`` of the first share on this thread and of the others in the copy pool; returns
+    once every share is copied (also when one fails, whose error it then raises)."""
     pool = _copy_pool()
-    futures = [pool.submit(_move_share, share) for share in shares[1:]]
+    futures = [pool.submit(copy, share) for share in shares[1:]]
     try:
-        _move_share(shares[0])
+        copy(shares[0])
     finally:
         concurrent.futures.wait(futures)
     for future in futures:
