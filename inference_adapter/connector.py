@@ -20,9 +20,11 @@ Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfac
    ``missing_blocks``) and the engine computes the rest.
 4. ``save``: the full blocks of ``tokens[:num_tokens]`` the store does not hold yet (neither
    found at lookup nor saved earlier by this request) are copied out of the pool, keyed
-   under the request's ``salt`` from its first approximate block on, and offered to the
-   bounded :class:`~kvstore.inference_adapter.saver.SaveQueue`;
-   when it is full the blocks are dropped and counted in ``dropped_saves``.
+   under the request's ``salt`` from its first approximate block on (on CUDA: one kernel
+   into device memory, queued on the engine's stream), and offered to the bounded
+   :class:`~kvstore.inference_adapter.saver.SaveQueue`, whose thread copies them straight
+   into the daemon's staging slots; when the queue is full (or the device has no memory
+   for the gather) the blocks are dropped and counted in ``dropped_saves``.
 5. ``request_finished``: cancels a load still running and forgets the request.
 
 Besides the protocol: ``prefetch`` (a look-ahead hint for a queued session, sent now) and
@@ -56,7 +58,7 @@ from kvstore.inference_adapter.loader import (
     page_slots,
     staging_for,
 )
-from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue, to_host
+from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue, ready_event
 from kvstore.inference_adapter.weights import LlamaConfig
 from kvstore.kernels import RopeTables, save_blocks
 from kvstore.kernels.transfer import gather_pages
@@ -145,7 +147,8 @@ class StoreConnector:
         kv_pool: The engine's pool ``[num_layers, 2, num_pages, page_tokens, kv_heads, head_dim]``.
         page_tokens: Tokens per page; must divide ``namespace.model.block_tokens``.
         rope_tables: The engine's RoPE tables (on the pool's device).
-        save_queue_size: Most blocks waiting to be saved; more are dropped and counted.
+        save_queue_size: Most blocks waiting to be saved; more are dropped and counted. On
+            CUDA the waiting blocks are held in device memory (at most this many).
         load_timeout_s: How long a request's load may take before the engine recomputes.
         load_workers: Loads running at once (one thread each).
 
@@ -268,12 +271,16 @@ class StoreConnector:
             if not self._saves.has_room(len(run)):
                 self._count("dropped_saves", len(run))
                 continue
-            blocks, ready = to_host(self._gather(pages, run))
+            try:
+                blocks = self._gather(pages, run)
+            except torch.OutOfMemoryError:  # queued saves hold device memory: none is left
+                self._count("dropped_saves", len(run))
+                continue
             job = SaveJob(
                 keys=tuple(keys[b] for b in run),
                 parent=keys[run[0] - 1] if run[0] else ROOT_KEY,
                 blocks=blocks,
-                ready=ready,
+                ready=ready_event(blocks),
             )
             if self._saves.offer(job):
                 plan.known.update(job.keys)

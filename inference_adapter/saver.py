@@ -1,23 +1,28 @@
 """The bounded save queue: new blocks go to the daemon without ever blocking the engine.
 
 The connector gathers a request's new full blocks from the pool (K as the pool holds it) into
-a staging tensor and offers it here as a :class:`SaveJob`. On CUDA the staging tensor is
-page-locked host memory that a device-to-host copy queued on the engine's stream fills
-(:func:`to_host`): the job carries the event recorded after that copy, and the engine never
-waits for it; the queue's thread waits for the event, then ``put``s. A background thread
-``put``s jobs in order.
+a staging tensor on the pool's device and offers it here as a :class:`SaveJob`. On CUDA the
+gather is queued on the engine's stream and the job carries the event recorded after it
+(:func:`ready_event`); the engine never waits for it. A background thread ``put``s jobs in
+order; it waits for a job's event, then, for a job on CUDA, runs the put on a stream of its
+own, so the device-to-host copy lands straight in the daemon's staging slots (by DMA when
+the client registered its shm session with CUDA: ``pin_arena``) while the engine's stream
+goes on computing. No host bounce buffer: the bytes cross the link once, and the daemon's
+copy into its arena computes the checksum once. Queued CUDA jobs hold device memory, at most
+``capacity`` blocks of it.
 The queue holds at most ``capacity`` blocks: an offer that does not fit is refused at once
 (the connector counts the blocks as dropped) rather than waiting for room, so a slow or
 absent daemon costs the engine nothing but cache misses later.
 
 Primitives: ``has_room(n)`` -> bool, ``room()`` -> blocks, ``offer(job)`` -> bool (refused
 when full), ``drain(timeout)`` -> bool (everything offered so far was handled), ``close()``;
-counters in :class:`SaveCounts`; ``to_host(blocks)`` -> (host blocks, event or None).
+counters in :class:`SaveCounts`; ``ready_event(blocks)`` -> the event to wait for, or None.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -28,7 +33,7 @@ import torch
 
 from kvstore.client import Namespace, WriteStatus
 
-__all__ = ["Putter", "SaveCounts", "SaveJob", "SaveQueue", "to_host"]
+__all__ = ["Putter", "SaveCounts", "SaveJob", "SaveQueue", "ready_event"]
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +61,14 @@ class SaveJob:
     ready: torch.cuda.Event | None = None  # recorded once ``blocks`` holds the KV (CUDA)
 
 
-def to_host(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``blocks`` in host memory without waiting: on CUDA a new page-locked tensor that a
-    copy queued on the current stream fills, and the event recorded after it; on the CPU
-    ``blocks`` themselves and None."""
+def ready_event(blocks: torch.Tensor) -> torch.cuda.Event | None:
+    """On CUDA, an event recorded on the current stream once the work queued so far (what
+    fills ``blocks``) is done; None on the CPU, where that work has already run."""
     if not blocks.is_cuda:
-        return blocks, None
-    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
-    host.copy_(blocks, non_blocking=True)
+        return None
     ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
     ready.record(torch.cuda.current_stream(blocks.device))
-    return host, ready
+    return ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class SaveQueue:
         self._changed = threading.Condition()
         self._counts = collections.Counter[str]()
         self._failing = False  # the last put failed: the next failures are not logged again
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # the thread's own, per device
         self._thread = threading.Thread(target=self._serve, name="kvstore-save", daemon=True)
         self._thread.start()
 
@@ -159,11 +162,10 @@ class SaveQueue:
 
     def _put(self, job: SaveJob) -> collections.Counter[str]:
         try:
-            if job.ready is not None:
-                job.ready.synchronize()
-            statuses = self._client.put(
-                self._namespace, job.keys, list(job.blocks), parent=job.parent
-            )
+            with self._device_work(job):
+                statuses = self._client.put(
+                    self._namespace, job.keys, list(job.blocks), parent=job.parent
+                )
         except Exception as error:
             if not self._failing:  # one line per run of failures (a daemon away for a while)
                 log.warning(
@@ -176,3 +178,18 @@ class SaveQueue:
         self._failing = False
         names = {WriteStatus.STORED: "stored", WriteStatus.DEDUP: "dedup"}
         return collections.Counter(names.get(status, "refused") for status in statuses)
+
+    def _device_work(self, job: SaveJob) -> contextlib.AbstractContextManager[object]:
+        """Waits (this thread only) until ``job.ready`` fired; for blocks on CUDA, the put's
+        copies then run on this thread's own stream, so that they neither queue behind the
+        engine's next kernels nor hold them up."""
+        if job.ready is not None:
+            job.ready.synchronize()
+        if not job.blocks.is_cuda:
+            return contextlib.nullcontext()
+        device = job.blocks.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        job.blocks.record_stream(stream)  # its memory is not reused before these copies end
+        return torch.cuda.stream(stream)

@@ -18,6 +18,9 @@ Keys:
 - ``lookup_timeout_s`` (0.5): the deadline of the admission-time Lookup.
 - ``load_timeout_s`` (10): how long a step waits for one layer before vLLM recomputes.
 - ``save_queue_blocks`` (256): most blocks waiting to be put; more are dropped and counted.
+  On CUDA the waiting blocks stay in device memory until they are copied to the daemon
+  (256 blocks of 16 tokens of a Llama-3.1-8B-shaped model: 512 MiB); lower it when vLLM
+  runs close to the device's memory.
 - ``retry_s`` (2): after a failure, how long the connector answers "miss" before it tries
   the daemon again (sooner when another connector side in this process reached it).
 - ``use_shm`` (true): map the daemon's arena when it runs on this host.

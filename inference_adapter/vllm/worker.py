@@ -16,8 +16,12 @@ Per step, in vLLM's order:
    ``take_failed_blocks`` so vLLM recomputes those tokens (``kv_load_failure_policy:
    "recompute"``).
 3. ``capture(i, saves)`` (vLLM's ``save_kv_layer``, after layer ``i``'s attention): copies
-   layer ``i`` of the step's new full blocks out of vLLM's tensors into host staging, as
-   vLLM holds them (on a copy thread of its own on the CPU, on the caller's stream on CUDA). The
+   layer ``i`` of the step's new full blocks out of vLLM's tensors into staging on vLLM's
+   device, as vLLM holds them (on a copy thread of its own on the CPU, on the caller's
+   stream on CUDA, where the save queue's thread later copies the staging straight into the
+   daemon's staging slots: no host bounce buffer; queued saves hold at most
+   ``save_queue_blocks`` blocks of device memory, and a save the device has no memory for
+   is dropped). The
    blocks a step saves are chosen when their first layer is captured: only as many as the
    bounded save queue takes; the rest are dropped and counted.
 4. ``finish_step()`` (``wait_for_save``): hands the staged blocks to the save queue, whose
@@ -229,7 +233,8 @@ class WorkerSide:
     # Saves ---------------------------------------------------------------------------------
 
     def capture(self, layer: int, saves: Sequence[SaveSpec]) -> None:
-        """Copies layer ``layer`` of the step's new blocks ``saves`` into host staging.
+        """Copies layer ``layer`` of the step's new blocks ``saves`` into staging (on vLLM's
+        device).
 
         On CUDA the copies are queued on the caller's stream (ordered after the attention
         that wrote the layer). On the CPU they run on the connector's copy thread, which
@@ -283,19 +288,28 @@ class WorkerSide:
                 self.counts["dropped_saves"] += len(spec.keys)
 
     def _admit(self, specs: Sequence[SaveSpec]) -> list[tuple[SaveSpec, torch.Tensor]]:
+        """Staging for the saves the queue has room for, on vLLM's device: the save queue's
+        thread copies it straight into the daemon's staging slots (no host bounce buffer).
+        A save that does not fit the queue, or the device's free memory, is dropped."""
         admitted: list[tuple[SaveSpec, torch.Tensor]] = []
         taken = 0
-        pinned = self.device.type == "cuda"
         room = self._saves.room()
         for spec in specs:
             n = len(spec.keys)
             fits = taken + n <= room or (not taken and self._saves.has_room(n))
-            if not fits:
+            staging = self._staging(n) if fits else None
+            if staging is None:
                 self.counts["dropped_saves"] += n
                 continue
             taken += n
-            admitted.append((spec, staging_for(self.namespace, n, "cpu", pinned=pinned)))
+            admitted.append((spec, staging))
         return admitted
+
+    def _staging(self, num_blocks: int) -> torch.Tensor | None:
+        try:
+            return staging_for(self.namespace, num_blocks, self.device)
+        except torch.OutOfMemoryError:
+            return None
 
     def save_counts(self) -> Counter[str]:
         """What became of the blocks put so far (stored, dedup, refused, failed)."""

@@ -1,5 +1,6 @@
 """The save queue against a real daemon: jobs put in order, the KV's event waited for first,
-a full queue refusing at once; ``to_host`` on the CPU and (where there is one) on CUDA."""
+a full queue refusing at once; ``ready_event`` on the CPU, and (where there is one) a job on
+CUDA copied straight from device memory into the daemon."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
-from kvstore.inference_adapter.saver import SaveJob, SaveQueue, to_host
+from kvstore.inference_adapter.saver import SaveJob, SaveQueue, ready_event
 from tests.support.daemon import running_daemon
 
 MODEL = ModelFingerprint("saver", 2, 2, 16, "float32", block_tokens=4)
@@ -18,8 +19,7 @@ NAMESPACE = Namespace(MODEL, tenant="saver")
 
 
 def blocks(count: int) -> torch.Tensor:
-    shape = (count, MODEL.num_layers, 2, MODEL.num_kv_heads, MODEL.block_tokens, MODEL.head_dim)
-    return torch.randn(shape)
+    return torch.randn(count, *MODEL.layout().shape)
 
 
 class Ready:
@@ -60,17 +60,28 @@ def test_a_job_is_put_only_once_its_kv_is_ready(tmp_path: Path) -> None:
         queue.close()
 
 
-def test_to_host_on_the_cpu_is_the_tensor_itself() -> None:
-    data = blocks(1)
-    host, ready = to_host(data)
-    assert host is data and ready is None
+def test_blocks_on_the_cpu_need_no_event() -> None:
+    assert ready_event(blocks(1)) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_to_host_on_cuda_fills_pinned_memory_by_the_event() -> None:
-    data = blocks(3).cuda()
-    host, ready = to_host(data)
-    assert host.is_pinned() and not host.is_cuda and ready is not None
-    ready.synchronize()
-    assert torch.equal(host, data.cpu())
+def test_a_job_on_cuda_is_put_from_device_memory_once_its_event_fired(tmp_path: Path) -> None:
+    keys = block_keys(list(range(8)), NAMESPACE)
+    data = blocks(2).cuda()
+    with (
+        running_daemon(tmp_path, host_capacity="16MiB") as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=5.0, pin_arena=True) as client,
+    ):
+        queue = SaveQueue(client, NAMESPACE, capacity=4)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # type: ignore[attr-defined]  # the engine still computes
+        late = data * 2  # queued behind the sleep on the engine's stream
+        ready = ready_event(late)
+        assert ready is not None and not ready.query()
+        assert queue.offer(SaveJob(tuple(keys), ROOT_KEY, late, ready=ready))
+        assert queue.drain(30.0) and queue.counts.stored == 2
+        got = client.get(NAMESPACE, keys)
+        expected = (data * 2).cpu()
+        assert all(bytes(block) == expected[i].numpy().tobytes() for i, block in enumerate(got))
+        queue.close()
