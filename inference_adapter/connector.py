@@ -43,7 +43,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +66,8 @@ from kvstore.kernels.transfer import gather_pages
 __all__ = ["ConnectorStats", "StoreConnector", "namespace_for"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_HOLD_S = 5.0  # half the daemon's default lease (server.lease_ttl = 10 s)
 
 
 def namespace_for(
@@ -116,6 +118,7 @@ class ConnectorStats:
     lookups: int  # requests looked up
     lookup_errors: int  # lookups that failed (daemon unreachable, ...): answered 0
     loaded_blocks: int  # blocks whose load started
+    refetches: int  # loads leased while queued, let go before admission, fetched again
     failed_loads: int  # loads that failed or timed out (the engine recomputed)
     short_loads: int  # loads the daemon gave only a leading part of (the rest computed)
     missing_blocks: int  # blocks those loads lacked
@@ -179,8 +182,12 @@ class StoreConnector:
         self._per_block = self.block_tokens // page_tokens
         self.load_timeout_s = load_timeout_s
         self._plans: dict[str, _Plan] = {}
+        self._prepared: dict[str, Future[_Plan]] = {}  # lookups of requests still queued
+        self._hold_s = _hold_seconds(client)
         self._saves = SaveQueue(client, namespace, save_queue_size)
+        # A load holds its worker from its lookup (its lease) to its last layer.
         self._loads = ThreadPoolExecutor(load_workers, thread_name_prefix="kvstore-load")
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
         self._counts = Counter[str]()
         self._counts_lock = threading.Lock()
         self._deferred_hints: list[tuple[str, list[list[bytes]]]] = []
@@ -194,50 +201,33 @@ class StoreConnector:
     # KVConnector -------------------------------------------------------------------------
 
     def num_loadable_tokens(self, request: Request) -> int:
-        """Leading prompt tokens the store can provide (whole blocks, < ``len(prompt)``)."""
+        """Leading prompt tokens the store can provide (whole blocks, < ``len(prompt)``);
+        their lease is taken now, on a worker thread. A request ``prepare`` looked up
+        while it waited makes no call here when that lookup found all it could load."""
         self._count("lookups")
         request.loaded_from = {}
-        candidates, stored_at = self._candidates(request)
-        try:
-            found = self.client.lookup_tiers(self.namespace, candidates)
-        except Exception:
-            log.warning(
-                "lookup of request %s failed; computing it", request.request_id, exc_info=True
-            )
-            self._count("lookup_errors")
-            self._plans[request.request_id] = _Plan()
-            return 0
-        held = candidates[: found.num_blocks]
-        usable = min(len(held), (len(request.prompt) - 1) // self.block_tokens)
-        self._plans[request.request_id] = _Plan(
-            load_keys=held[:usable],
-            stored_at=stored_at[:usable],
-            tiers=found.tiers[:usable],
-            known=set(held),
-        )
-        if not usable:
+        plan = self._admission_plan(request)
+        self._plans[request.request_id] = plan
+        if not plan.load_keys:
             self._hints_in_background()  # nothing of this request's to protect
-        return usable * self.block_tokens
+        return len(plan.load_keys) * self.block_tokens
 
     def start_load(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
         """Starts loading the first ``num_tokens // page_tokens`` blocks into ``pages``."""
         plan = self._plans.setdefault(request.request_id, _Plan())
         num_blocks = min(num_tokens // self.block_tokens, len(plan.load_keys))
         if num_blocks == 0:
+            self._drop_load(plan)
             return
-        plan.load = LayerLoad(
-            self.client,
-            self.namespace,
-            self._pool,
-            plan.load_keys[:num_blocks],
-            block_pages(pages, range(num_blocks), self._per_block),
-            self._moves(plan.stored_at[:num_blocks]),
-            deadline=time.monotonic() + self.load_timeout_s,
-            on_fetched=self._hints_in_background,
-        )
+        chosen = block_pages(pages, range(num_blocks), self._per_block)
+        deadline = time.monotonic() + self.load_timeout_s
+        if plan.load is None or not plan.load.start(chosen, deadline):
+            self._count("refetches")  # its lease was let go while it waited: fetch again
+            load = self._fetch(plan).load
+            if load is not None:  # a new load takes its pages whenever it is fetched
+                load.start(chosen, deadline)
         request.loaded_from = dict(Counter(plan.tiers[:num_blocks]))
         self._count("loaded_blocks", num_blocks)
-        self._loads.submit(plan.load.run)
 
     def wait_for_layer_load(self, request: Request, layer: int) -> bool:
         """``True`` once layer ``layer`` of the load is in the pool (or nothing is loading)."""
@@ -289,12 +279,32 @@ class StoreConnector:
                 self._count("dropped_saves", len(run))
 
     def request_finished(self, request: Request) -> None:
-        """Forgets the request; a load still running is cancelled first."""
+        """Forgets the request; a load still running (or a lease taken for it) ends first."""
         plan = self._plans.pop(request.request_id, None)
-        if plan is not None and plan.load is not None:
-            plan.load.cancel()
+        prepared = self._prepared.pop(request.request_id, None)
+        if prepared is not None:
+            prepared.add_done_callback(_drop_prepared)
+        if plan is not None:
+            self._drop_load(plan)
 
     # Beyond the protocol -------------------------------------------------------------------
+
+    def prepare(self, request: Request) -> None:
+        """Looks up a request that waits to be admitted, and leases what the store holds for
+        it, on a worker thread: by its admission the blocks are leased, so the fetch
+        overlaps the wait. Calling it again for the same request does nothing; the lease is
+        let go if the request is not admitted within ``hold_s`` (then it is fetched again).
+        """
+        if request.request_id in self._prepared or request.request_id in self._plans:
+            return
+
+        def look_up() -> _Plan:
+            plan = self._lookup(request)
+            if plan.load_keys:
+                self._fetch(plan)
+            return plan
+
+        self._prepared[request.request_id] = self._lookups.submit(look_up)
 
     def prefetch(self, session_id: str, chains: Sequence[Sequence[bytes]]) -> int:
         """Tells the daemon a session runs soon (its chains move up to the host tier).
@@ -347,6 +357,7 @@ class StoreConnector:
             lookups=c["lookups"],
             lookup_errors=c["lookup_errors"],
             loaded_blocks=c["loaded_blocks"],
+            refetches=c["refetches"],
             failed_loads=c["failed_loads"],
             short_loads=c["short_loads"],
             missing_blocks=c["missing_blocks"],
@@ -358,13 +369,74 @@ class StoreConnector:
 
     def close(self, timeout: float | None = 5.0) -> None:
         """Cancels loads, puts the saves already queued (within ``timeout``), stops threads."""
+        self._lookups.shutdown(wait=True, cancel_futures=True)
+        for prepared in list(self._prepared.values()):
+            _drop_prepared(prepared)
         for plan in list(self._plans.values()):
-            if plan.load is not None:
-                plan.load.cancel()
+            self._drop_load(plan)
         self._loads.shutdown(wait=True, cancel_futures=True)
         self._saves.close(timeout)
 
     # Helpers -----------------------------------------------------------------------------
+
+    def _admission_plan(self, request: Request) -> _Plan:
+        """The plan of a request being admitted: the one ``prepare`` made (looked up again
+        only when it could load more: blocks saved since may have joined), or a new one."""
+        prepared = self._prepared.pop(request.request_id, None)
+        if prepared is None:
+            return self._fetch(self._lookup(request))
+        plan = prepared.result()
+        if len(plan.load_keys) < self._most_blocks(request):
+            fresh = self._lookup(request)
+            if len(fresh.load_keys) > len(plan.load_keys):
+                self._drop_load(plan)
+                return self._fetch(fresh)
+        return plan
+
+    def _lookup(self, request: Request) -> _Plan:
+        """Which leading blocks of the request the store holds (no lease yet); an empty
+        plan when the daemon cannot be reached (counted in ``lookup_errors``)."""
+        candidates, stored_at = self._candidates(request)
+        try:
+            found = self.client.lookup_tiers(self.namespace, candidates)
+        except Exception:
+            log.warning(
+                "lookup of request %s failed; computing it", request.request_id, exc_info=True
+            )
+            self._count("lookup_errors")
+            return _Plan()
+        held = candidates[: found.num_blocks]
+        usable = min(len(held), self._most_blocks(request))
+        return _Plan(
+            load_keys=held[:usable],
+            stored_at=stored_at[:usable],
+            tiers=found.tiers[:usable],
+            known=set(held),
+        )
+
+    def _most_blocks(self, request: Request) -> int:
+        """The most blocks a load may give: at least one prompt token is computed."""
+        return (len(request.prompt) - 1) // self.block_tokens
+
+    def _fetch(self, plan: _Plan) -> _Plan:
+        """Starts leasing the plan's blocks on a worker thread (when it has any)."""
+        if plan.load_keys:
+            plan.load = LayerLoad(
+                self.client,
+                self.namespace,
+                self._pool,
+                plan.load_keys,
+                self._moves(plan.stored_at),
+                hold_s=self._hold_s,
+                on_fetched=self._hints_in_background,
+            )
+            self._loads.submit(plan.load.run)
+        return plan
+
+    @staticmethod
+    def _drop_load(plan: _Plan) -> None:
+        if plan.load is not None:
+            plan.load.cancel()
 
     def _candidates(self, request: Request) -> tuple[list[bytes], list[int]]:
         """Keys whose leading held run may be loaded at positions 0, block, 2 * block, ...,
@@ -408,6 +480,12 @@ class StoreConnector:
             self._counts[name] += amount
 
 
+def _drop_prepared(prepared: Future[_Plan]) -> None:
+    """Ends the lease a prepared lookup took for a request that will not run."""
+    if not prepared.cancelled() and prepared.exception() is None:
+        StoreConnector._drop_load(prepared.result())
+
+
 def _runs(indices: Sequence[int]) -> list[list[int]]:
     """Consecutive runs of sorted block indices: [0, 1, 3] -> [[0, 1], [3]]."""
     runs: list[list[int]] = []
@@ -417,6 +495,15 @@ def _runs(indices: Sequence[int]) -> list[list[int]]:
         else:
             runs.append([index])
     return runs
+
+
+def _hold_seconds(client: KVStoreClient) -> float:
+    """How long a leased load may wait for its pages: half the daemon's lease, so that the
+    layer copies after it still run under the lease."""
+    try:
+        return client.server_info.lease_seconds / 2
+    except Exception:  # not connected yet: the daemon's default lease
+        return DEFAULT_HOLD_S
 
 
 def _check_pool(namespace: Namespace, pool: PoolHandles) -> None:

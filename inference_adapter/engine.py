@@ -4,7 +4,9 @@
 
 1. admission, while a batch slot and enough pages are free: ask the connector how many
    leading prompt tokens it can load (``num_loadable_tokens``), take pages for the prompt
-   plus ``max_tokens`` (``PageAllocator.allocate``);
+   plus ``max_tokens`` (``PageAllocator.allocate``). The request next in line when there is
+   no room is handed to ``prepare`` before each step, so the connector can fetch its KV
+   while it waits;
 2. prefill of the admitted request, new tokens only: ``start_load`` the prefix, then before
    each layer ``wait_for_layer_load(request, layer)``, and that layer attends over the
    loaded prefix and the new tokens causally. A ``False`` answer drops the prefix and
@@ -143,12 +145,16 @@ class Engine:
                     self._prefill(running[-1])
                     _emit(on_token, running[-1:])
                     self._retire_finished(running)
+                if waiting:  # the next one waits for room: its fetch overlaps the wait
+                    self.connector.prepare(waiting[0])
                 self._decode(running)
                 _emit(on_token, running)
                 self._retire_finished(running)
         finally:
             for seq in running:  # only after an error: give the pages back
                 self.allocator.free(seq.pages)
+            if waiting:  # only after an error: the next one may hold a lease
+                self.connector.request_finished(waiting[0])
         return requests
 
     def check_request(self, request: Request) -> None:

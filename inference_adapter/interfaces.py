@@ -26,6 +26,11 @@ connector at fixed points, in this order, per request (the vLLM KV-connector sha
    step (a full queue drops the save and counts it);
 5. ``request_finished(request)``: drop per-request state.
 
+Before step 1, while a request waits to be admitted (the batch or the pool is full), the
+engine may call ``prepare(request)`` (more than once): the connector may look it up and take
+its blocks' lease in the background then, so that step 1 makes no call and the fetch
+overlaps the wait. A prepared request that never runs still gets ``request_finished``.
+
 A connector needs the engine's pool, so it is bound after construction:
 ``engine.connector = StoreConnector(..., engine.kv_pool, ...)``.
 
@@ -93,6 +98,8 @@ class Request:
 class KVConnector(Protocol):
     """Moves KV between the engine's paged pool and the store; see the module docstring."""
 
+    def prepare(self, request: Request) -> None: ...
+
     def num_loadable_tokens(self, request: Request) -> int: ...
 
     def start_load(self, request: Request, pages: Sequence[int], num_tokens: int) -> None: ...
@@ -106,6 +113,9 @@ class KVConnector(Protocol):
 
 class NullConnector:
     """No store: every prompt is prefilled from scratch."""
+
+    def prepare(self, request: Request) -> None:
+        return None
 
     def num_loadable_tokens(self, request: Request) -> int:
         return 0

@@ -3,8 +3,11 @@
 One :class:`LayerLoad` per request moves the blocks the store holds for its prompt into the
 pages the engine reserved, one layer at a time, on a worker thread, while the engine computes:
 
-1. fetch: lease the blocks (``host_blocks``: the arena itself on the shared-memory plane, one
-   download otherwise); no byte is copied yet;
+1. fetch, as soon as the lookup answered (before the engine schedules the request, so it
+   overlaps the wait in the queue): lease the blocks (``host_blocks``: the arena itself on
+   the shared-memory plane, one download otherwise); no byte is copied yet. The blocks then
+   wait for :meth:`LayerLoad.start` to name the pages (at most ``hold_s``, within the
+   lease);
 2. per layer ``i``: the engine-neutral :class:`~kvstore.inference_adapter.transfer.LayerWriter`
    writes layer ``i`` of every block into its pages (a stored block is ``block_tokens //
    page_tokens`` pages): on CUDA one kernel reading the registered arena over the host
@@ -21,7 +24,7 @@ pages the engine reserved, one layer at a time, on a worker thread, while the en
    says how much from the moment layer 0 is ready; the engine computes the rest. None at
    all is a failure.
 
-CUDA: all of a load's device work runs on a side stream that first waits for the engine's
+CUDA: a load's layer copies run on a side stream that ``start`` makes wait for the engine's
 stream; each layer records a CUDA event that the engine's stream waits on (``wait`` enqueues
 the wait; it does not synchronise the host). The lease ends only once the side stream is done.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import KVStoreClient, Namespace
+from kvstore.client.tensors import HostBlocks
 from kvstore.inference_adapter.transfer import LayerWriter, engine_layers
 from kvstore.kernels import RopeTables, apply_rope, load_blocks
 
@@ -128,19 +133,23 @@ def staging_for(
 
 
 class LayerLoad:
-    """Loads ``keys`` into pool ``slots``, layer by layer; see the module docstring.
+    """Fetches ``keys`` now and loads them into pool pages handed over later, layer by
+    layer; see the module docstring.
+
+    ``run`` (on a worker thread) leases the blocks (or downloads them) at once, then waits
+    for :meth:`start` to name the pages: the lease is taken when the request is looked up,
+    not when the engine schedules it. Fetched blocks wait ``hold_s`` at most; then they are
+    let go (the lease ends) and ``start`` answers ``False``.
 
     Args:
         client: The daemon's client.
         namespace: The model and tenant of the blocks.
         pool: The engine's pool and RoPE tables.
-        keys: The blocks to load, in order.
-        pages: ``[len(keys), block_tokens // page_tokens]`` int64, the pool pages of each
-            block (``block_pages``).
+        keys: The blocks to fetch, in order (``start`` may load fewer).
         moves: ``(stored_at, positions)``, each ``[len(keys), block_tokens]`` int64: the
             positions each token's K was stored at and the one it has now; None when every
             block goes back where it was computed (a prefix hit: a plain copy).
-        deadline: ``time.monotonic()`` after which waiting gives up.
+        hold_s: How long fetched blocks wait for ``start`` (keep it within the lease).
         on_fetched: Called once on the worker thread when the blocks are leased (or
             downloaded), before the first layer is copied; also when the fetch fails.
     """
@@ -151,9 +160,9 @@ class LayerLoad:
         namespace: Namespace,
         pool: PoolHandles,
         keys: Sequence[bytes],
-        pages: torch.Tensor,
         moves: tuple[torch.Tensor, torch.Tensor] | None,
-        deadline: float,
+        *,
+        hold_s: float,
         on_fetched: Callable[[], None] | None = None,
     ) -> None:
         self._client = client
@@ -161,35 +170,51 @@ class LayerLoad:
         self._namespace = namespace
         self._pool = pool
         self._keys = list(keys)
-        self._pages = pages
         self._moves = moves
-        self.deadline = deadline
+        self._hold_s = hold_s
+        self.deadline = math.inf  # set by start
         self.ready = [threading.Event() for _ in range(pool.num_layers)]
         self.failed = False
-        self.num_blocks = len(self._keys)  # loaded (a prefix when the daemon gave fewer)
+        self.num_blocks = len(self._keys)  # loaded (fewer when the daemon or start says so)
         self._cancelled = False
+        self._let_go = False  # nobody started the load within hold_s: the blocks are gone
         self._pool_lock = threading.Lock()
+        self._given = threading.Event()  # start or cancel ran
+        self._pages: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
-        if pool.kv_pool.is_cuda:
-            self._stream = torch.cuda.Stream(pool.kv_pool.device)  # type: ignore[no-untyped-call]
-            # Work the engine queued so far (these slot tensors, earlier users of the pages)
-            # comes first.
-            self._stream.wait_stream(torch.cuda.current_stream(pool.kv_pool.device))
         self._cuda_events: list[torch.cuda.Event] = []
 
+    def start(self, pages: torch.Tensor, deadline: float) -> bool:
+        """Loads the first ``len(pages)`` blocks into ``pages`` (``[n, block_tokens //
+        page_tokens]`` int64, :func:`block_pages`) once fetched, ``wait`` giving up after
+        ``deadline`` (``time.monotonic()``). Call it on the engine's thread: on CUDA the
+        copies are ordered after the work it queued so far (earlier users of the pages).
+
+        Returns:
+            ``False`` when the fetched blocks were already let go (or the load cancelled):
+            nothing is written; fetch again.
+        """
+        with self._pool_lock:
+            if self._let_go or self._cancelled or self._given.is_set():
+                return False
+            self._pages = pages
+            self.num_blocks = min(self.num_blocks, pages.size(0))
+            self.deadline = deadline
+            if self._pool.kv_pool.is_cuda:
+                device = self._pool.kv_pool.device
+                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                self._stream.wait_stream(torch.cuda.current_stream(device))
+            self._given.set()
+        return True
+
     def run(self) -> None:
-        """Fetches and copies every layer (on a worker thread); failures end in ``failed``."""
-        device_work = (
-            torch.cuda.stream(self._stream)
-            if self._stream is not None
-            else contextlib.nullcontext()
-        )
+        """Fetches, waits for ``start``, copies every layer (on a worker thread); failures
+        end in ``failed``."""
         try:
-            with device_work:
-                if self._moves is None:
-                    self._run_in_place()
-                else:
-                    self._run_moved(self._moves)
+            if self._moves is None:
+                self._run_in_place()
+            else:
+                self._run_moved(self._moves)
         except Exception:
             log.warning(
                 "loading %d blocks failed; the engine recomputes", len(self._keys), exc_info=True
@@ -215,6 +240,7 @@ class LayerLoad:
         with self._pool_lock:
             self._cancelled = True
             self.failed = True
+            self._given.set()  # a fetch waiting for pages lets its blocks go
         if self._stream is not None:
             self._stream.synchronize()  # copies already queued must land before a recompute
         for event in self.ready:
@@ -223,15 +249,21 @@ class LayerLoad:
     def _run_in_place(self) -> None:
         """A prefix hit: every layer straight from where the blocks lie into the pages."""
         layer_bytes = self._namespace.model.layout().layer_bytes
-        with self._client.host_blocks(self._namespace, self._keys) as blocks:
-            self._found(len(blocks))
+        with self._client.host_blocks(self._namespace, self._keys) as leased:
+            self._found(len(leased))
             self._fetched()
-            writer = LayerWriter(
-                [(blocks, self._pages)], engine_layers(self._pool.kv_pool), layer_bytes
-            )
-            for layer in range(self._pool.num_layers):
-                if not self._write_layer(layer, writer.write):
-                    break
+            pages = self._wait_for_pages()
+            if pages is None:
+                return
+            n = self.num_blocks
+            blocks = HostBlocks(leased.source, leased.offsets[:n], leased.mapped)
+            with self._device_work():
+                writer = LayerWriter(
+                    [(blocks, pages)], engine_layers(self._pool.kv_pool), layer_bytes
+                )
+                for layer in range(self._pool.num_layers):
+                    if not self._write_layer(layer, writer.write):
+                        break
             if self._stream is not None:
                 self._stream.synchronize()  # the lease ends on exit
 
@@ -243,18 +275,38 @@ class LayerLoad:
         got = self._client.get(self._namespace, self._keys, out=list(staging))
         self._found(len(got))
         self._fetched()
-        slots = page_slots(self._pages, self._pool)
-        stored_at, positions = (p[: self.num_blocks, :, None] for p in moves)  # over heads
+        pages = self._wait_for_pages()
+        if pages is None:
+            return
+        n = self.num_blocks
+        slots = page_slots(pages[:n], self._pool)
+        stored_at, positions = (p[:n, :, None] for p in moves)  # over heads
 
         def write(layer: int) -> None:
-            n = self.num_blocks
             blocks = staging[:n, layer : layer + 1]  # [n, 1, 2, tokens, kv_heads, head_dim]
             blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
-            load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], slots[:n])
+            load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], slots)
 
-        for layer in range(self._pool.num_layers):
-            if not self._write_layer(layer, write):
-                break
+        with self._device_work():
+            for layer in range(self._pool.num_layers):
+                if not self._write_layer(layer, write):
+                    break
+
+    def _wait_for_pages(self) -> torch.Tensor | None:
+        """The pages ``start`` named; None when it did not within ``hold_s`` (the blocks are
+        let go) or the load was cancelled."""
+        self._given.wait(self._hold_s)
+        with self._pool_lock:
+            if not self._given.is_set():
+                self._let_go = True
+            if self._let_go or self._cancelled:
+                return None
+            return self._pages
+
+    def _device_work(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
 
     def _write_layer(self, layer: int, write: Callable[[int], None]) -> bool:
         """``write(layer)`` into the pool, then ``ready[layer]``; ``False`` once cancelled."""
@@ -282,7 +334,8 @@ class LayerLoad:
             log.info(
                 "the daemon gave %d of %d blocks (evicted?); loading those", found, len(self._keys)
             )
-        self.num_blocks = found
+        with self._pool_lock:
+            self.num_blocks = min(self.num_blocks, found)
 
     def _fail(self) -> None:
         self.failed = True

@@ -107,6 +107,9 @@ class TimedConnector:
         """The request's timings, forgotten afterwards."""
         return self._timings.pop(request_id, _Timings())
 
+    def prepare(self, request: Request) -> None:
+        self.inner.prepare(request)
+
     def num_loadable_tokens(self, request: Request) -> int:
         start = time.perf_counter()
         try:

@@ -9,6 +9,7 @@ function each.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -74,10 +75,15 @@ def client(daemon: Daemon) -> Iterator[KVStoreClient]:
 
 
 def store_engine(
-    model: LlamaModel, client: KVStoreClient, tenant: str, block_tokens: int = PAGE, **options: Any
+    model: LlamaModel,
+    client: KVStoreClient,
+    tenant: str,
+    block_tokens: int = PAGE,
+    max_batch: int = 8,
+    **options: Any,
 ) -> tuple[Engine, StoreConnector]:
     """An engine with a store connector in its own tenant (tests share one daemon)."""
-    engine = Engine(model, num_pages=64, page_tokens=PAGE)
+    engine = Engine(model, num_pages=64, page_tokens=PAGE, max_batch=max_batch)
     namespace = namespace_for(
         engine.config,
         model_name="tiny",
@@ -309,6 +315,115 @@ def test_a_store_hit_costs_the_same_calls_whatever_its_length(
             wait_for(lambda n=before["Release"]: rpcs(scrape(port))["Release"] > n, timeout=10.0)
             calls.append(rpcs(scrape(port)) - before)
         assert calls[0] == calls[1] == Counter(Lookup=1, Acquire=1, Release=1), calls
+        connector.close()
+
+
+class CallLog:
+    """Wraps a client's lookups and leases to note, in order, each call made and each lease
+    that ended; ``leased`` is set once a lease is taken."""
+
+    def __init__(self, client: KVStoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        self.leased = threading.Event()
+        self.released = threading.Event()
+        lookup, host_blocks = client.lookup_tiers, client.host_blocks
+
+        def logged_lookup(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append("lookup")
+            return lookup(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def logged_lease(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            with host_blocks(*args, **kwargs) as blocks:
+                self.calls.append("lease")
+                self.leased.set()
+                yield blocks
+            self.released.set()
+
+        monkeypatch.setattr(client, "lookup_tiers", logged_lookup)
+        monkeypatch.setattr(client, "host_blocks", logged_lease)
+
+    def note(self, what: str) -> None:
+        self.calls.append(what)
+
+
+def test_a_queued_request_is_looked_up_and_leased_while_it_waits(
+    models: TinyModels, client: KVStoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the batch full, the next request's lookup and lease run during the running
+    one's decode steps: its admission makes no call, and it answers like recompute."""
+    engine, connector = store_engine(models.engine, client, "queued", max_batch=1)
+    hit_prompt = MESSAGES[0] + MESSAGES[1] + [7]  # 59 tokens: 3 blocks loadable
+    engine.generate([Request("store", hit_prompt, SamplingParams(max_tokens=1))])
+    assert connector.wait_for_saves(10.0)
+    log = CallLog(client, monkeypatch)
+    admit = connector.num_loadable_tokens
+
+    def noted_admission(request: Request) -> int:
+        log.note(f"admit {request.request_id}")
+        return admit(request)
+
+    monkeypatch.setattr(connector, "num_loadable_tokens", noted_admission)
+    running = Request("running", MESSAGES[2], SamplingParams(max_tokens=4))
+    queued = Request("queued", hit_prompt, SamplingParams(max_tokens=4))
+
+    def on_token(request: Request, token: int) -> None:
+        if request is running and len(request.output) == 2:  # a decode step after prepare
+            assert log.leased.wait(10.0), "the queued request was not leased while it waited"
+
+    engine.generate([running, queued], on_token=on_token)
+    # The running one is a miss; the queued one is looked up and leased before admission.
+    assert log.calls == ["admit running", "lookup", "lookup", "lease", "admit queued"]
+    assert queued.num_loaded_tokens == 3 * PAGE and queued.loaded_from == {"host": 3}
+    assert queued.output == recompute(models.engine, hit_prompt, queued.sampling).output
+    assert connector.stats().refetches == 0
+    connector.close()
+
+
+def test_a_prepared_lookup_is_redone_at_admission_when_it_could_load_more(
+    models: TinyModels, client: KVStoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks saved while a request waited are found at its admission."""
+    engine, connector = store_engine(models.engine, client, "relookup")
+    prompt = MESSAGES[0] + MESSAGES[1] + MESSAGES[2] + [7]  # 89 tokens: 5 blocks loadable
+    engine.generate([Request("short", prompt[: 2 * PAGE + 1], SamplingParams(max_tokens=1))])
+    assert connector.wait_for_saves(10.0)
+    log = CallLog(client, monkeypatch)
+    request = Request("waited", prompt, SamplingParams(max_tokens=2))
+    connector.prepare(request)  # finds 2 blocks and leases them
+    assert log.leased.wait(10.0)
+    monkeypatch.undo()
+    engine.generate([Request("longer", prompt[: 5 * PAGE + 1], SamplingParams(max_tokens=1))])
+    assert connector.wait_for_saves(10.0)
+    engine.generate([request])
+    assert request.num_loaded_tokens == 5 * PAGE
+    assert request.output == recompute(models.engine, prompt, request.sampling).output
+    connector.close()
+
+
+def test_a_lease_held_past_its_hold_is_let_go_and_fetched_again(
+    models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepared request not admitted within half the lease lets its blocks go (nothing
+    stays pinned); its admission leases them again and loads them."""
+    settings = {"server": {"lease_ttl": "1s"}}
+    with (
+        running_daemon(tmp_path, host_capacity="64MiB", settings=settings) as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=5.0) as client,
+    ):
+        engine, connector = store_engine(models.engine, client, "let-go")
+        prompt = MESSAGES[0] + MESSAGES[1] + [7]
+        engine.generate([Request("store", prompt, SamplingParams(max_tokens=1))])
+        assert connector.wait_for_saves(10.0)
+        log = CallLog(client, monkeypatch)
+        request = Request("late", prompt, SamplingParams(max_tokens=2))
+        connector.prepare(request)
+        assert log.released.wait(10.0)  # let go after half of the 1 s lease
+        engine.generate([request])
+        assert log.calls == ["lookup", "lease", "lease"]  # the prepared lookup still served
+        assert connector.stats().refetches == 1
+        assert request.num_loaded_tokens == 3 * PAGE
+        assert request.output == recompute(models.engine, prompt, request.sampling).output
         connector.close()
 
 

@@ -105,6 +105,9 @@ class PrefixStore:
         tokens, size = [*request.prompt, *request.output], self.engine.page_tokens
         return [tuple(tokens[: (i + 1) * size]) for i in range(num_tokens // size)]
 
+    def prepare(self, request: Request) -> None:
+        self.events.append(("prepare", -1, len(request.prompt)))
+
     def num_loadable_tokens(self, request: Request) -> int:
         found = 0
         for prefix in self.prefixes(request, len(request.prompt) - 1):
