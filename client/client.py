@@ -300,7 +300,7 @@ class AsyncKVStoreClient:
             except BaseException:
                 await self._conn.release_quietly(leased.lease_id)
                 raise
-            await transfer.release(self._conn, leased.lease_id)  # it expired: raises
+            await transfer.end_lease(self._conn, leased)  # it expired: raises
             return result
 
         return await self._conn.in_namespace(namespace, get)
@@ -465,4 +465,4 @@ class AsyncKVStoreClient:
         except BaseException:
             await self._conn.release_quietly(leased.lease_id)
             raise
-        await transfer.release(self._conn, leased.lease_id)
+        await transfer.end_lease(self._conn, leased)  # it expired: raises

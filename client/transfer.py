@@ -2,10 +2,12 @@
 
 shm (an shm session with the daemon is open):
 
-- reads: ``acquire`` -> (lease, slots in the arena) -> copy or view the slots -> ``release``.
-  The lease id is chosen here, before the call, so that whatever happens to the caller (a
-  cancel, a timeout, a reply that never arrives) the lease is released by that id in a task
-  of its own: nothing stays held until it expires;
+- reads: ``acquire`` -> (lease, slots in the arena) -> copy or view the slots ->
+  ``end_lease``. The lease id is chosen here, before the call, so that whatever happens to
+  the caller (a cancel, a timeout, a reply that never arrives) the lease is released by that
+  id in a task of its own: nothing stays held until it expires. A read that ends while the
+  lease is sure to hold still (``Leased.alive_until``) does not wait for the Release: one
+  round trip a read;
 - writes: ``put_shm``: Reserve -> copy the payloads into the session's staging slots ->
   Commit (the daemon copies them into the arena and checks them); Abort when anything fails
   before the commit or the commit itself fails (the daemon ignores the abort of keys it did
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -38,7 +41,7 @@ from kvstore.client.shm import Arena, Payload, ShmSession, TargetT
 from kvstore.client.wire import Slots, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 
-__all__ = ["Leased", "acquire", "get_stream", "put_shm", "put_stream", "release"]
+__all__ = ["Leased", "acquire", "end_lease", "get_stream", "put_shm", "put_stream", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,9 @@ class Leased:
     slots: Slots
     checksums: tuple[int, ...]
     arena: Arena
+    # time.monotonic() before which the lease cannot have expired: the Acquire's send time
+    # plus the reply's expires_in (the daemon granted it after the send, on the same clock)
+    alive_until: float = 0.0
 
 
 def new_lease_id() -> int:
@@ -81,6 +87,7 @@ async def acquire(
     """
     lease_id = new_lease_id()
     request = pb.AcquireRequest(namespace=digest, keys=keys, lease_id=lease_id)
+    sent = time.monotonic()
     try:
         reply = await conn.unary("Acquire", request, pb.AcquireResponse)
         conn.check_fresh(session, "Acquire", reply.arena_id)
@@ -91,7 +98,23 @@ async def acquire(
     except BaseException:
         await conn.release_quietly(lease_id)  # granted or not, it is released: nothing stays held
         raise
-    return Leased(reply.lease_id, slots, sums, session.arena)
+    return Leased(reply.lease_id, slots, sums, session.arena, sent + reply.expires_in)
+
+
+async def end_lease(conn: Connection, leased: Leased) -> None:
+    """Ends a lease once its blocks were read: while it is sure to hold still
+    (``leased.alive_until``), the Release goes out in a task of its own and this returns at
+    once; later, the Release is awaited.
+
+    Raises:
+        UnknownLeaseError: the lease expired before it was released (only past
+            ``alive_until``): the slots may have been reused meanwhile, so what was read
+            under it must not be used.
+    """
+    if time.monotonic() < leased.alive_until:
+        conn.release_soon(leased.lease_id)
+    else:
+        await release(conn, leased.lease_id)
 
 
 async def release(conn: Connection, lease_id: int) -> None:

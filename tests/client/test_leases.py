@@ -10,9 +10,11 @@ copy, and during the final Release.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from kvstore.client import (
     DeadlineExceededError,
     ModelFingerprint,
     Namespace,
+    UnknownLeaseError,
     block_keys,
     transfer,
 )
@@ -71,6 +74,36 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
         await store.aclose()
 
 
+def slow_releases(
+    client: AsyncKVStoreClient, monkeypatch: pytest.MonkeyPatch, delay: float
+) -> asyncio.Event:
+    """Makes each Release of ``client`` start ``delay`` seconds late; the event is set when
+    one is about to wait."""
+    conn = client._conn
+    real = conn.unary
+    releasing = asyncio.Event()
+
+    async def slow_release(method: str, *args: object, **kwargs: object) -> object:
+        if method == "Release":
+            releasing.set()
+            await asyncio.sleep(delay)
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(conn, "unary", slow_release)
+    return releasing
+
+
+def leases_alive_for(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Makes the client believe each lease it is granted holds for ``seconds`` only."""
+    acquire = transfer.acquire
+
+    async def short_lease(*args: object, **kwargs: object) -> transfer.Leased:
+        leased = await acquire(*args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(leased, alive_until=time.monotonic() + seconds)
+
+    monkeypatch.setattr(transfer, "acquire", short_lease)
+
+
 def chain(namespace: Namespace, count: int, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
     rng = random.Random(seed)
     tokens = [rng.randrange(32000) for _ in range(count * MODEL.block_tokens)]
@@ -99,24 +132,47 @@ async def test_gets_cancelled_at_random_moments_leave_no_lease(daemon: Daemon) -
         assert await client.get(namespace, keys) == blocks
 
 
+async def test_a_get_within_its_lease_returns_before_the_release_and_still_releases(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One round trip a read: the Release goes out in the background."""
+    namespace = Namespace(MODEL, "background")
+    keys, blocks = chain(namespace, 2)
+    async with AsyncKVStoreClient(daemon.address) as client:
+        await client.put(namespace, keys, blocks)
+        slow_releases(client, monkeypatch, 0.3)
+        assert await client.get(namespace, keys) == blocks
+        assert daemon.store.stats().active_leases == 1  # its Release is still on the way
+        assert await daemon.leases_drain() == 0
+
+
+async def test_a_read_past_its_lease_waits_for_the_release_and_says_it_expired(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    namespace = Namespace(MODEL, "expired")
+    keys, blocks = chain(namespace, 2)
+    async with AsyncKVStoreClient(daemon.address) as client:
+        await client.put(namespace, keys, blocks)
+        leases_alive_for(monkeypatch, 0.05)
+        with pytest.raises(UnknownLeaseError):
+            async with client.view(namespace, keys) as views:
+                assert [bytes(view) for view in views] == blocks
+                await asyncio.sleep(0.1)  # past what the client knows of the lease ...
+                await daemon.store.maintain(time.monotonic() + 120)  # ... the daemon ends it
+        assert daemon.store.stats().active_leases == 0
+
+
 async def test_a_get_cancelled_during_its_release_still_releases(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A read past its lease's sure lifetime awaits the Release: cancelled then, it still
+    releases."""
     namespace = Namespace(MODEL, "release")
     keys, blocks = chain(namespace, 2)
     async with AsyncKVStoreClient(daemon.address) as client:
         await client.put(namespace, keys, blocks)
-        conn = client._conn
-        real = conn.unary
-        releasing = asyncio.Event()
-
-        async def slow_release(method: str, *args: object, **kwargs: object) -> object:
-            if method == "Release":
-                releasing.set()
-                await asyncio.sleep(0.2)  # the caller is cancelled meanwhile
-            return await real(method, *args, **kwargs)
-
-        monkeypatch.setattr(conn, "unary", slow_release)
+        leases_alive_for(monkeypatch, 0.0)
+        releasing = slow_releases(client, monkeypatch, 0.2)  # the caller is cancelled meanwhile
         task = asyncio.create_task(client.get(namespace, keys))
         await releasing.wait()
         task.cancel()
