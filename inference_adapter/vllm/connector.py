@@ -9,11 +9,12 @@ Selected with::
                                       "tenant": "team-a", "token_env": "KVSTORE_TOKEN"}}'
 
 vLLM builds one instance per role. The scheduler's (:mod:`.scheduler`) looks the prompt's
-block keys up when a request is admitted and plans each step's loads and saves; the plan
-reaches the worker's (:mod:`.worker`) as the step's connector metadata. Blocks are stored in
-kvstore's own form (layer-major, K after RoPE as vLLM holds it) under the namespace kvstore's
-engine derives from the same config (``namespace_for``), so either can read what the other
-saved.
+block keys up when a request is considered for admission (and hints the daemon to move those
+it holds below host memory up while the request waits) and plans each step's loads and
+saves; the plan reaches the worker's (:mod:`.worker`) as the step's connector metadata.
+Blocks are stored in kvstore's own form (layer-major, K after RoPE as vLLM holds it) under
+the namespace kvstore's engine derives from the same config (``namespace_for``), so either
+can read what the other saved.
 
 At start the connector refuses, with a ``ValueError`` naming what it found, what it cannot
 serve exactly: a non-Llama architecture, RoPE scaling the kernels do not compute, a KV cache
@@ -26,7 +27,10 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,7 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorStats", "KVStoreMetadata", "mode
 log = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+MAX_WAITING_HINTS = 64  # prefetch hints waiting to be sent; past this they are dropped
 
 
 @dataclass
@@ -97,6 +102,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         self._layer_index: dict[str, int] = {}
         self._reported = Counter[str]()
+        self._hints: _Hints | None = None
         if role == KVConnectorRole.SCHEDULER:
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 log.warning(
@@ -105,10 +111,12 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     transfer.kv_load_failure_policy,
                 )
             link = self._link("scheduler", call_timeout=self.settings.lookup_timeout_s, retries=0)
+            self._hints = _Hints(link)
             self._scheduler = SchedulerSide(
                 self.namespace,
                 self.block_size,
-                lambda keys: link.call(lambda c: c.lookup(self.namespace, keys)),
+                lambda keys: link.call(lambda c: c.lookup_tiers(self.namespace, keys)),
+                prefetch=self._hints.send,
                 load=bool(transfer.is_kv_consumer),
                 save=bool(transfer.is_kv_producer),
             )
@@ -265,11 +273,43 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._hints is not None:
+            self._hints.close()
 
     def _work(self) -> WorkerSide:
         if self._worker is None:
             raise RuntimeError("register_kv_caches has not run on this connector")
         return self._worker
+
+
+class _Hints:
+    """Prefetch hints sent from a thread of their own, so the scheduler never waits for one;
+    at most ``MAX_WAITING_HINTS`` wait (more are dropped: they are only hints)."""
+
+    def __init__(self, link: Link) -> None:
+        self._link = link
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-hints")
+        self._room = threading.BoundedSemaphore(MAX_WAITING_HINTS)
+        self.counts = Counter[str]()
+
+    def send(self, request_id: str, keys: Sequence[bytes]) -> None:
+        if not self._room.acquire(blocking=False):
+            self.counts["dropped_hints"] += 1
+            return
+        self._thread.submit(self._send, request_id, list(keys))
+
+    def _send(self, request_id: str, keys: list[bytes]) -> None:
+        try:
+            self._link.call(lambda c: c.prefetch(request_id, self._link.namespace, [keys]))
+            self.counts["sent_hints"] += 1
+        except Exception as error:
+            self.counts["failed_hints"] += 1
+            log.debug("prefetch hint of request %s failed: %s", request_id, error)
+        finally:
+            self._room.release()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 def check_cpu_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: Any) -> None:

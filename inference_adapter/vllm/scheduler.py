@@ -1,7 +1,10 @@
 """The scheduler side: what to load for a new request, what to save after each step.
 
 vLLM's scheduler calls, per request: ``matched_tokens`` (Lookup of the prompt's block keys,
-under a deadline) when it considers admitting it, ``allocated`` once its blocks exist, and
+under a deadline) when it considers admitting it, which also hints the daemon (``prefetch``,
+sent in the background, once a request) to promote the blocks it found below the host tier:
+a request vLLM cannot admit yet waits in its queue while they move up, and the worker's
+lease at the step that loads finds them in host memory, ``allocated`` once its blocks exist, and
 every step ``plan_step``, whose :class:`StepPlan` travels to the worker as the step's
 connector metadata. ``finished`` forgets the request.
 
@@ -26,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstore.client import ROOT_KEY, Namespace, block_keys
+from kvstore.client import ROOT_KEY, LookupResult, Namespace, block_keys
 
 __all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
 
@@ -79,6 +82,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks, in order
     next_save: int = 0  # stored blocks below this index are held or handed to a save
     computed: int = 0  # tokens with KV once the last planned step has run
+    hinted: bool = False  # a prefetch hint was sent for its blocks below the host tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +98,10 @@ class SchedulerSide:
     Args:
         namespace: The model and tenant (its ``block_tokens`` is the stored block size).
         vllm_block_size: vLLM's ``block_size``; divides ``block_tokens``.
-        lookup: ``keys -> leading blocks held``; raises when the daemon cannot answer.
+        lookup: ``keys -> LookupResult`` (leading blocks held, and in which tiers); raises
+            when the daemon cannot answer.
+        prefetch: ``(request_id, keys)``: hints that the request loads these blocks soon;
+            must not block (the connector sends it from a thread of its own).
         load: Plan loads (kv_both, kv_consumer).
         save: Plan saves (kv_both, kv_producer).
     """
@@ -103,8 +110,9 @@ class SchedulerSide:
         self,
         namespace: Namespace,
         vllm_block_size: int,
-        lookup: Callable[[Sequence[bytes]], int],
+        lookup: Callable[[Sequence[bytes]], LookupResult],
         *,
+        prefetch: Callable[[str, Sequence[bytes]], None] | None = None,
         load: bool = True,
         save: bool = True,
     ) -> None:
@@ -118,6 +126,7 @@ class SchedulerSide:
         self.per_block = self.block_tokens // vllm_block_size
         self.vllm_block_size = vllm_block_size
         self._lookup = lookup
+        self._prefetch = prefetch
         self._load = load
         self._save = save
         self._tracked: dict[str, _Tracked] = {}
@@ -140,14 +149,18 @@ class SchedulerSide:
             tracked.keys = block_keys(prompt[: usable * self.block_tokens], self.namespace)
         keys = tuple(tracked.keys[:usable])
         try:
-            held = min(self._lookup(keys), usable)
+            found = self._lookup(keys)
         except Exception as error:
             self.lookup_errors += 1
             log.debug("lookup of request %s failed: %s", request.request_id, error)
             return 0
+        held = min(found.num_blocks, usable)
         tracked.next_save = max(tracked.next_save, held)  # held blocks are never saved again
         if not self._load:
             return 0
+        if self._prefetch is not None and not tracked.hinted and _below_host(found, held):
+            tracked.hinted = True
+            self._prefetch(request.request_id, keys[:held])
         self._matches[request.request_id] = _Match(keys, held, num_computed_tokens)
         return max(0, held * self.block_tokens - num_computed_tokens)
 
@@ -228,3 +241,8 @@ class SchedulerSide:
             first_block=first,
             block_ids=tuple(tracked.block_ids[first * per : full * per]),
         )
+
+
+def _below_host(found: LookupResult, held: int) -> bool:
+    """Whether one of the first ``held`` blocks found has its highest copy below host memory."""
+    return any(tier != "host" for tier in found.tiers[:held])

@@ -1,18 +1,31 @@
 """The scheduler side's plans, driven the way vLLM's scheduler drives them.
 
 Requests are plain objects with the three fields the planner reads; the daemon is replaced
-by a lookup function (the real daemon and vLLM are in tests/integration/test_vllm.py).
+by a lookup function, but for the prefetch hint's effect (the real daemon and vLLM are in
+tests/integration/test_vllm.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import torch
 
-from kvstore.client import ROOT_KEY, ModelFingerprint, Namespace, block_keys
+from kvstore.client import (
+    ROOT_KEY,
+    KVStoreClient,
+    LookupResult,
+    ModelFingerprint,
+    Namespace,
+    WriteStatus,
+    block_keys,
+)
 from kvstore.inference_adapter.vllm.scheduler import SchedulerSide
+from tests.support.daemon import running_daemon
+from tests.support.waiting import wait_for
 
 VLLM_BLOCK = 32
 
@@ -36,9 +49,9 @@ def namespace(block_tokens: int) -> Namespace:
 def planner(held: int, block_tokens: int = 32, **options: bool) -> tuple[SchedulerSide, list]:
     asked: list[Sequence[bytes]] = []
 
-    def lookup(keys: Sequence[bytes]) -> int:
+    def lookup(keys: Sequence[bytes]) -> LookupResult:
         asked.append(keys)
-        return min(held, len(keys))
+        return LookupResult.of_tiers(["host"] * min(held, len(keys)))
 
     return SchedulerSide(namespace(block_tokens), VLLM_BLOCK, lookup, **options), asked
 
@@ -58,7 +71,7 @@ def test_a_hit_leaves_the_last_prompt_token_to_vllm_and_skips_what_vllm_computed
 
 
 def test_a_lookup_failure_is_a_miss() -> None:
-    def down(keys: Sequence[bytes]) -> int:
+    def down(keys: Sequence[bytes]) -> LookupResult:
         raise ConnectionError("daemon down")
 
     side = SchedulerSide(namespace(32), VLLM_BLOCK, down)
@@ -129,7 +142,7 @@ def test_stored_blocks_span_several_vllm_blocks(per_block: int) -> None:
 
 def test_block_tokens_must_be_a_multiple_of_vllms_block_size() -> None:
     with pytest.raises(ValueError, match="block_tokens 48 must be a multiple of vLLM's"):
-        SchedulerSide(namespace(48), VLLM_BLOCK, lambda keys: 0)
+        SchedulerSide(namespace(48), VLLM_BLOCK, lambda keys: LookupResult(0))
 
 
 def test_roles_turn_loads_and_saves_off() -> None:
@@ -160,3 +173,67 @@ def test_a_preempted_request_gets_its_new_blocks_and_keeps_what_it_saved() -> No
     side.scheduled("r", [20, 21, 22, 23, 24, 25], computed=160, replace=True)  # resumed
     (save,) = side.plan_step().saves
     assert save.first_block == 4 and save.block_ids == (24,)
+
+
+# Prefetch hints -------------------------------------------------------------------------
+
+
+def hinting(tiers: list[str], **options: bool) -> tuple[SchedulerSide, list]:
+    hints: list[tuple[str, Sequence[bytes]]] = []
+
+    def lookup(keys: Sequence[bytes]) -> LookupResult:
+        return LookupResult.of_tiers(tiers[: len(keys)])
+
+    def prefetch(request_id: str, keys: Sequence[bytes]) -> None:
+        hints.append((request_id, keys))
+
+    side = SchedulerSide(namespace(32), VLLM_BLOCK, lookup, prefetch=prefetch, **options)
+    return side, hints
+
+
+def test_blocks_held_below_host_memory_are_hinted_once_per_request() -> None:
+    side, hints = hinting(["host", "ssd", "ssd", "redis"])
+    request = FakeRequest("r", list(range(1, 200)))  # 6 usable blocks, 4 held
+    assert side.matched_tokens(request, 0) == 4 * 32
+    assert hints == [("r", tuple(block_keys(request.prompt_token_ids[:128], side.namespace)))]
+    side.matched_tokens(request, 0)  # asked again while it waits: no second hint
+    assert len(hints) == 1
+    side.matched_tokens(FakeRequest("other", list(range(1, 200))), 0)
+    assert [request_id for request_id, _ in hints] == ["r", "other"]
+
+
+def test_no_hint_when_the_usable_blocks_are_in_host_memory_or_nothing_loads() -> None:
+    side, hints = hinting(["host", "host", "ssd"])
+    side.matched_tokens(FakeRequest("r", list(range(1, 60))), 0)  # 1 usable block, in host
+    side.matched_tokens(FakeRequest("s", list(range(1, 40))), 0)  # no usable block
+    producer, producer_hints = hinting(["ssd"] * 4, load=False)
+    producer.matched_tokens(FakeRequest("p", list(range(1, 200))), 0)
+    assert hints == [] and producer_hints == []
+
+
+def test_a_hint_moves_a_waiting_requests_blocks_up_to_the_host_tier(tmp_path: Path) -> None:
+    # A block is 16 KiB (4 layers x K,V x 32 tokens x 2 heads x 8 dims x fp32); the host
+    # tier keeps about 16, so the first request's 8 blocks are pushed to SSD by 24 later ones.
+    model = ModelFingerprint("tiny", 4, 2, 8, "float32", block_tokens=32)
+    names = Namespace(model, "tenant-a")
+    settings = {"eviction": {"hint_share": 0.75}}
+    with (
+        running_daemon(tmp_path, host_capacity="256KiB", settings=settings) as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=5.0) as client,
+    ):
+        prompts = [list(range(1000 * n, 1000 * n + 8 * 32 + 1)) for n in range(4)]
+        for prompt in prompts:
+            keys = block_keys(prompt[: 8 * 32], names)
+            blocks = [torch.full((model.layout().payload_bytes // 4,), float(i)) for i in range(8)]
+            assert client.put(names, keys, blocks) == [WriteStatus.STORED] * 8
+        keys = block_keys(prompts[0][: 8 * 32], names)
+        assert set(client.lookup_tiers(names, keys).tiers) == {"ssd"}
+
+        def prefetch(request_id: str, keys: Sequence[bytes]) -> None:
+            client.prefetch(request_id, names, [keys])
+
+        side = SchedulerSide(
+            names, VLLM_BLOCK, lambda k: client.lookup_tiers(names, k), prefetch=prefetch
+        )
+        assert side.matched_tokens(FakeRequest("waiting", prompts[0]), 0) == 8 * 32
+        wait_for(lambda: set(client.lookup_tiers(names, keys).tiers) == {"host"}, timeout=10.0)
