@@ -317,10 +317,10 @@ class ArenaPlane:
                 self._drop(entry.node.id)
             raise
         found = iter(sums)
-        return [
-            PutStatus.EXPIRED if entry is None else await self._land(entry, write, next(found))
-            for entry, write in zip(entries, writes, strict=True)
-        ]
+        # Every block lands at once: their write-throughs to lower tiers run side by side,
+        # so a commit waits for one tier call (a silent Redis: its timeout), not one a block.
+        landed = iter(await asyncio.gather(*(self._land(e, w, next(found)) for e, w in live)))
+        return [PutStatus.EXPIRED if entry is None else next(landed) for entry in entries]
 
     async def _sum(self, items: Sequence[tuple[Slot, Buffer | None]]) -> list[int]:
         """The checksum of each slot, after copying its source into it (one thread hop)."""

@@ -14,7 +14,8 @@ Names follow Prometheus' conventions (``_bytes``, ``_seconds``, counters ``_tota
   ``kvstore_corrupt_blocks_total``, ``kvstore_corrupt_writes_total``,
   ``kvstore_lookups_total``, ``kvstore_lookup_hit_blocks_total``,
   ``kvstore_prefetches_dropped_total``;
-- per tier also ``kvstore_tier_read_bytes_total``, ``kvstore_tier_written_bytes_total``;
+- per tier also ``kvstore_tier_read_bytes_total``, ``kvstore_tier_written_bytes_total``,
+  ``kvstore_tier_failed_writes_total``;
   ``kvstore_expired_leases_total``, ``kvstore_expired_reservations_total``;
 - per gRPC method (:class:`RpcMetrics`): ``kvstore_rpc_duration_seconds`` (histogram) and
   ``kvstore_rpcs_total`` by status code;
@@ -80,6 +81,8 @@ class StatsCollector(Collector):
                            "read_bytes"),
             "written_bytes": ("Bytes written into the tier (after compression)",
                               CounterMetricFamily, "written_bytes"),
+            "failed_writes": ("Block writes the tier did not take (full, or not answering)",
+                              CounterMetricFamily, "failed_writes"),
         }  # fmt: skip
         for name, (doc, family, field) in per_tier.items():
             metric = family(f"kvstore_tier_{name}", doc, labels=["tier"])

@@ -76,6 +76,7 @@ class TierStats:
     healthy: bool
     read_bytes: int = 0  # payload bytes of the reads (hits) the tier served
     written_bytes: int = 0  # bytes written into the tier (after its compression)
+    failed_writes: int = 0  # block writes the tier did not take (full, or not answering)
 
 
 @dataclass(frozen=True, slots=True)

@@ -683,6 +683,7 @@ class BlockStore:
                 healthy=s.tier.healthy(),
                 read_bytes=self._counts[f"read_bytes.{s.name}"],
                 written_bytes=self._counts[f"written_bytes.{s.name}"],
+                failed_writes=self._counts[f"failed_writes.{s.name}"],
             )
             for s in self._tiers
         )

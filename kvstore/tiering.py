@@ -178,6 +178,7 @@ class Placement:
                 if slot.tier.usage() + len(blob) <= capacity and await slot.tier.put(node.id, blob):
                     break
                 if not slot.tier.healthy() or not await self.evict_one(slot):
+                    self.counts[f"failed_writes.{slot.name}"] += 1
                     return False
         finally:
             node.busy -= 1

@@ -20,17 +20,26 @@ are content-addressed, so a key is rarely rewritten with another blob. With a TT
 leaves the accounting once its TTL has passed, read or not.
 
 Redis being down is an expected outcome, not an error: a connection error or timeout turns
-into a miss (``None``, ``False``), ``healthy()`` turns ``False`` and for ``retry_interval_s``
-every call answers a miss at once without touching the network; then one call probes again
-and, if Redis answers, the tier is healthy and writes resume.
+into a miss (``None``, ``False``), ``healthy()`` turns ``False`` and from then on every call
+answers a miss at once without touching the network. No request ever probes: a background
+task pings the failed node every ``retry_interval_s`` (under ``timeout_s``), and once it
+answers the tier is healthy and writes resume.
+
+Time is bounded per call, whatever the network does: every call (a batch, across all the
+nodes it touches) has one deadline, ``timeout_s`` from its start, and a node that misses it
+counts as failed. A connection that fails at once (a pooled connection the server closed
+when it restarted) is retried once on a fresh one within that deadline before the node
+counts as down, so a restart costs no writes.
 
 On a Redis Cluster this holds per node. A batch is split by the node that serves each key's
 slot (the client's slot map) and sent as one pipeline per node, concurrently: a node that
 fails costs the misses of its own keys, for ``retry_interval_s``, while the keys of the other
-nodes are served. Each failure of a node also reloads the slot map (``CLUSTER SLOTS``), and
-the keys of the failed call that it now maps to another node are tried there once: once a
-replica is promoted, its slots are served by the first call that finds the old primary gone
-(with a slot map from before the failover, as a node that had no reason to look has).
+nodes are served. Each failure of a node also reloads the slot map (``CLUSTER SLOTS``) in the
+background (under its own timeout; the probe reloads it too), and the keys of the failed
+call that it now maps to another node are tried there once if the reload ends within the
+call's deadline: once a replica is promoted, its slots are served by the first call that
+finds the old primary gone (with a slot map from before the failover, as a node that had no
+reason to look has).
 ``down_nodes()`` names the nodes that failed and have not answered since; ``healthy()`` is
 ``False`` while there is one (the tier is degraded, not off).
 """
@@ -94,6 +103,7 @@ UNREACHABLE = (
     ClusterDownError,
     OSError,
 )
+RELOAD_TIMEOUTS = 3  # a slot-map reload may take this many timeout_s (it asks nodes in turn)
 MAX_OFFSET = 2**62  # GETRANGE takes signed 64-bit offsets
 WHOLE = ""  # the target of a call no single node answers for: the one server (or Sentinel
 # primary), or a cluster whose slot map is not known yet
@@ -119,7 +129,8 @@ class RedisTier:
         ttl_s: Expire every blob this long after it is written; ``None`` keeps them.
         pool_size: Most connections open at once; further calls wait for a free one.
         timeout_s: Connect and socket timeout of every command.
-        retry_interval_s: How long to answer misses without trying, once Redis failed.
+        retry_interval_s: How often a failed node is probed (in the background) until it
+            answers; meanwhile its calls answer misses without trying.
         name: Name used in logs and metrics.
         tls_ca: With a ``rediss`` URL, the PEM file of the CA that signed the servers'
             certificates (``None``: the system's CAs). Certificates are always verified.
@@ -167,7 +178,8 @@ class RedisTier:
         # Calls in flight at once. The one-server pool blocks by itself; redis-py's cluster
         # client would raise on a node's full pool instead, so it waits here.
         self._slots: contextlib.AbstractAsyncContextManager[object] = contextlib.nullcontext()
-        self._down: dict[str, float] = {}  # target that failed -> monotonic time of its next try
+        self._down: set[str] = set()  # targets that failed and have not answered since
+        self._probes: dict[str, asyncio.Task[None]] = {}  # target -> its background probe
         self._refresh: asyncio.Task[None] | None = None  # a cluster slot map being reloaded
 
     async def __aenter__(self) -> Self:
@@ -184,7 +196,7 @@ class RedisTier:
         self._client = self._connect()
         self._down.clear()
         try:
-            await self._call(lambda client: client.ping(), WHOLE)
+            await self._call(lambda client: client.ping(), WHOLE, self._deadline())
         except _Failed:
             return
         logger.info("redis tier %s: connected, prefix %r", self.name, self._prefix)
@@ -251,10 +263,13 @@ class RedisTier:
         client, self._client = self._client, None
         if client is None:
             return
-        if self._refresh is not None:
-            self._refresh.cancel()
-            await asyncio.gather(self._refresh, return_exceptions=True)
-            self._refresh = None
+        tasks = [*self._probes.values(), *([self._refresh] if self._refresh else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._refresh = None
+        self._probes.clear()
+        self._down.clear()
         await client.aclose()
         if isinstance(client, Redis):
             await client.connection_pool.aclose()
@@ -319,6 +334,7 @@ class RedisTier:
             exists, data = await self._call(
                 lambda client: _exists_and_range(client, rkey, start, end if length else None),
                 self._target(rkey),
+                self._deadline(),
             )
         except _Failed:
             return None
@@ -340,7 +356,9 @@ class RedisTier:
         """Deletes ``key``; returns whether Redis held it (``False`` when Redis is down)."""
         rkey = self._rkey(key)
         try:
-            removed = await self._call(lambda client: client.delete(rkey), self._target(rkey))
+            removed = await self._call(
+                lambda client: client.delete(rkey), self._target(rkey), self._deadline()
+            )
         except _Failed:
             return False
         self._forget(rkey[len(self._prefix) :])
@@ -373,7 +391,7 @@ class RedisTier:
         if isinstance(client, RedisCluster) and self._down:
             serving = {node.name for node in client.get_primaries()}
             for gone in [name for name in self._down if name != WHOLE and name not in serving]:
-                del self._down[gone]
+                self._down.discard(gone)
         return sorted(self._down)
 
     def _rkey(self, key: bytes) -> bytes:
@@ -456,15 +474,21 @@ class RedisTier:
         with the positions of that node's keys; returns its answers in the order of
         ``rkeys``, ``_FAILED`` for the keys of a node that failed or is skipped."""
         answers: list[object] = [_FAILED] * len(rkeys)
+        deadline = self._deadline()  # one for the whole batch, across its nodes
 
         async def on(target: str, part: list[int], *, again: bool = True) -> None:
             try:
-                values = await self._call(lambda client: run(client, part), target)
+                values = await self._call(lambda client: run(client, part), target, deadline)
             except _Unreachable:
                 if again and self._refresh is not None:
                     # The slot map this failure reloads may send these keys elsewhere now
-                    # (this node's replica took over): one more try there, none here.
-                    await asyncio.shield(self._refresh)
+                    # (this node's replica took over): one more try there, none here, if
+                    # the reload ends within the batch's deadline.
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            await asyncio.shield(self._refresh)
+                    except TimeoutError:
+                        return
                     moved = self._split(rkeys, part)
                     moved.pop(target, None)
                     await asyncio.gather(*(on(*item, again=False) for item in moved.items()))
@@ -488,55 +512,110 @@ class RedisTier:
             parts.setdefault(self._target(rkeys[position]), []).append(position)
         return parts
 
-    async def _call(self, op: Op[T], target: str) -> T:
-        """Runs ``op`` on the client for ``target``, or raises :class:`_Failed` without
-        raising anything else."""
-        if self._client is None:
+    def _deadline(self) -> float:
+        """The event loop's time by which a call starting now must be answered."""
+        return asyncio.get_running_loop().time() + self._timeout_s
+
+    async def _call(self, op: Op[T], target: str, deadline: float) -> T:
+        """Runs ``op`` on the client for ``target`` by ``deadline`` (the loop's clock), or
+        raises :class:`_Failed` without raising anything else. A connection that fails at
+        once is tried once more on a fresh one (the server may have closed the pooled one)."""
+        client = self._client
+        if client is None:
             raise TierClosedError(f"redis tier {self.name} is not started or already closed")
-        if not self._may_try(target):
-            raise _Failed
-        try:
-            async with self._slots:
-                result = await op(self._client)
-        except UNREACHABLE as exc:
-            self._degrade(target, exc)
-            raise _Unreachable from exc
-        except RedisError as exc:
-            logger.warning("redis tier %s: command failed: %s", self.name, _reason(exc))
-            raise _Failed from exc
-        for answered in {target, WHOLE} & self._down.keys():  # a node answering: the cluster is up
-            del self._down[answered]
-            logger.info("redis tier %s: %s answers again, resuming", self.name, _node(answered))
+        if target in self._down:
+            raise _Failed  # its probe, not a request, finds out when it answers again
+        async with self._slots:  # waiting for a free connection is no failure of the node
+            for attempt in (1, 2):
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        result = await op(client)
+                    break
+                except RedisConnectionError as exc:
+                    if attempt == 1 and asyncio.get_running_loop().time() < deadline:
+                        logger.debug("redis tier %s: retrying on a fresh connection", self.name)
+                        continue
+                    self._degrade(target, exc)
+                    raise _Unreachable from exc
+                except UNREACHABLE as exc:
+                    self._degrade(target, exc)
+                    raise _Unreachable from exc
+                except RedisError as exc:
+                    logger.warning("redis tier %s: command failed: %s", self.name, _reason(exc))
+                    raise _Failed from exc
+        for answered in {target, WHOLE} & self._down:  # a node answering: the cluster is up
+            self._answered(answered)
         return result
 
-    def _may_try(self, target: str) -> bool:
-        retry_at = self._down.get(target)
-        if retry_at is None:
-            return True
-        now = time.monotonic()
-        if now < retry_at:
-            return False
-        self._down[target] = now + self._retry_interval_s  # this call probes; the others miss
-        return True
+    def _answered(self, target: str) -> None:
+        self._down.discard(target)
+        logger.info("redis tier %s: %s answers again, resuming", self.name, _node(target))
 
     def _degrade(self, target: str, exc: BaseException) -> None:
         if target not in self._down:
             logger.warning(
-                "redis tier %s: %s unreachable (%s: %s); answering misses, retrying every %gs",
+                "redis tier %s: %s unreachable (%s: %s); answering misses, probing every %gs",
                 self.name, _node(target), type(exc).__name__, _reason(exc),
                 self._retry_interval_s,
             )  # fmt: skip
-        self._down[target] = time.monotonic() + self._retry_interval_s
+        self._down.add(target)
+        if target not in self._probes:
+            self._probes[target] = asyncio.get_running_loop().create_task(self._probe(target))
+        self._start_reload()
+
+    def _start_reload(self) -> asyncio.Task[None] | None:
+        """The cluster's slot-map reload in flight, started if none is."""
         client = self._client
-        if isinstance(client, RedisCluster) and (self._refresh is None or self._refresh.done()):
+        if not isinstance(client, RedisCluster):
+            return None
+        if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.get_running_loop().create_task(self._reload_slots(client))
+        return self._refresh
 
     async def _reload_slots(self, client: RedisCluster) -> None:
         """Reloads the cluster's slot map (a replica promoted serves its slots from now on)."""
         try:
-            await client.nodes_manager.initialize()
+            async with asyncio.timeout(RELOAD_TIMEOUTS * self._timeout_s):
+                await client.nodes_manager.initialize()
         except (*UNREACHABLE, RedisError) as exc:
             logger.debug("redis tier %s: slot map not reloaded: %s", self.name, exc)
+
+    async def _probe(self, target: str) -> None:
+        """Pings ``target`` every ``retry_interval_s`` until it answers (or, on a cluster,
+        until it serves no slot any more); requests meanwhile answer misses."""
+        try:
+            while target in self._down and self._client is not None:
+                await asyncio.sleep(self._retry_interval_s)
+                client = self._client
+                if client is None:
+                    return
+                if isinstance(client, RedisCluster):
+                    reload = self._start_reload()
+                    if reload is not None:
+                        await asyncio.shield(reload)
+                    if target != WHOLE and target not in self.down_nodes():
+                        return  # its replica took over its slots: nothing to wait for
+                try:
+                    async with asyncio.timeout(self._timeout_s):
+                        await _ping(client, target)
+                except (*UNREACHABLE, RedisError) as exc:
+                    logger.debug("redis tier %s: %s still down: %s", self.name, target, exc)
+                    continue
+                if target in self._down:
+                    self._answered(target)
+        finally:
+            self._probes.pop(target, None)
+
+
+async def _ping(client: Client, target: str) -> None:
+    """PING ``target``: the one server (``WHOLE``: a cluster's default node) or a node."""
+    if target == WHOLE or not isinstance(client, RedisCluster):
+        await client.ping()
+        return
+    node = client.get_node(node_name=target)
+    if node is None:
+        raise RedisClusterException(f"{target} is not a node of the cluster any more")
+    await client.execute_command("PING", target_nodes=node)
 
 
 def _reason(exc: BaseException) -> str:

@@ -315,7 +315,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "usage_bytes", "capacity_bytes", "blocks", "hits", "evictions", "healthy", "read_bytes", "written_bytes")
+    __slots__ = ("name", "usage_bytes", "capacity_bytes", "blocks", "hits", "evictions", "healthy", "read_bytes", "written_bytes", "failed_writes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     USAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,7 @@ class TierStats(_message.Message):
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_WRITES_FIELD_NUMBER: _ClassVar[int]
     name: str
     usage_bytes: int
     capacity_bytes: int
@@ -334,7 +335,8 @@ class TierStats(_message.Message):
     healthy: bool
     read_bytes: int
     written_bytes: int
-    def __init__(self, name: _Optional[str] = ..., usage_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., healthy: _Optional[bool] = ..., read_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ...) -> None: ...
+    failed_writes: int
+    def __init__(self, name: _Optional[str] = ..., usage_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., healthy: _Optional[bool] = ..., read_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., failed_writes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "blocks", "puts", "dedup_puts", "gets", "misses", "promotions", "demotions", "dropped_saves", "corrupt_blocks", "active_leases", "active_reservations", "lookups", "lookup_hit_blocks", "corrupt_writes", "expired_leases", "expired_reservations", "uptime_seconds", "version")
