@@ -9,16 +9,23 @@ key and reads bit-exact.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from kvstore.client import KVStoreClient, WriteStatus, block_keys
 from kvstore.inference_adapter.bench.redis_cluster import LocalCluster, LocalSentinel
 from kvstore.launch import kvstore_command
 from tests.support.daemon import Daemon, running_daemon
+from tests.support.net import free_port, silent_listener
 from tests.support.waiting import wait_for
 from tests.support.worker import NAMESPACE, own_tokens, payload
+
+T = TypeVar("T")
+SLACK_S = 1.0  # what a bound allows beyond redis.timeout: a loaded machine's scheduling
 
 
 def cluster_settings(cluster: LocalCluster, prefix: str) -> dict[str, dict[str, object]]:
@@ -34,6 +41,21 @@ def health_line(daemon: Daemon) -> tuple[int, str]:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     return done.returncode, done.stdout.strip() + done.stderr.strip()
+
+
+def within(bound_s: float, call: Callable[[], T]) -> T:
+    """``call()``, asserted to return within ``bound_s`` seconds."""
+    started = time.monotonic()
+    result = call()
+    took = time.monotonic() - started
+    assert took < bound_s, f"took {took:.2f} s, bound {bound_s:.2f} s"
+    return result
+
+
+def redis_stats(daemon_client: KVStoreClient) -> tuple[bool, int]:
+    """The daemon's Redis tier: whether it is healthy, and its failed writes."""
+    tier = next(t for t in daemon_client.stats().tiers if t.name == "redis")
+    return tier.healthy, tier.failed_writes
 
 
 def test_a_chain_saved_by_one_daemon_is_read_bit_exact_by_another(
@@ -193,3 +215,126 @@ def test_a_sentinel_failover_under_two_daemons(tmp_path: Path) -> None:
             assert [bytes(x) for x in b.get(NAMESPACE, fresh)] == [payload(k) for k in fresh]
     finally:
         setup.stop()
+
+
+def test_a_silent_cluster_costs_each_call_at_most_the_timeout(tmp_path: Path) -> None:
+    """Every node of the cluster hangs (SIGSTOP: a partition, a frozen host). Puts, gets and
+    lookups each return within ``redis.timeout`` (+ slack), never an error; host and SSD
+    data are served bit-exact; health says degraded. After SIGCONT the tier serves again,
+    and every block saved meanwhile either reached Redis or is counted in its
+    ``failed_writes`` (none silently lost)."""
+    cluster = LocalCluster(tmp_path / "cluster")
+    cluster.start()
+    timeout_s = 1.0
+    settings = cluster_settings(cluster, "silent")
+    settings["redis"].update(timeout=f"{timeout_s}s")
+    settings["ssd"] = {"write_policy": "write_through"}
+    bound = timeout_s + SLACK_S
+    try:
+        with (
+            running_daemon(tmp_path / "node", settings=settings) as daemon,
+            KVStoreClient(daemon.address, retries=0, timeout=30.0) as client,
+        ):
+            before = block_keys(own_tokens("before-the-silence", 8), NAMESPACE)
+            client.put(NAMESPACE, before, [payload(k) for k in before])
+            primaries = [p for p in cluster.ports if "master" in cluster.command(p, "ROLE")]
+            assert sum(cluster.dbsize(p) for p in primaries) == len(before)
+            for proc in cluster.procs.values():
+                proc.send_signal(signal.SIGSTOP)
+            try:
+                during = block_keys(own_tokens("during-the-silence", 8), NAMESPACE)
+                statuses = within(
+                    bound, lambda: client.put(NAMESPACE, during, [payload(k) for k in during])
+                )
+                new = [k for k in during if k not in before]  # past the shared prefix
+                assert statuses[-len(new) :] == [WriteStatus.STORED] * len(new)
+                unknown = block_keys(list(range(10**6, 10**6 + 64)), NAMESPACE)
+                assert within(bound, lambda: client.lookup(NAMESPACE, unknown)) == 0
+                assert within(bound, lambda: client.lookup(NAMESPACE, during)) == len(during)
+                for chain in (before, during):
+                    got = within(bound, lambda c=chain: client.get(NAMESPACE, c))
+                    assert [bytes(x) for x in got] == [payload(k) for k in chain]
+                assert not redis_stats(client)[0]
+                status, line = health_line(daemon)
+                assert status == 0 and line.endswith(
+                    "SERVING, degraded: redis tier down (hits come from the others)"
+                )
+            finally:
+                for proc in cluster.procs.values():
+                    proc.send_signal(signal.SIGCONT)
+            wait_for(lambda: redis_stats(client)[0], timeout=60)
+            stored = sum(cluster.dbsize(p) for p in primaries) - len(before)
+            failed = redis_stats(client)[1]
+            # A write that timed out may still land (the node read it once it ran again):
+            # counted as failed, found in Redis. What is missing must all be counted.
+            assert failed > 0 and len(new) - stored <= failed
+            after = block_keys(own_tokens("after-the-silence", 8), NAMESPACE)
+            client.put(NAMESPACE, after, [payload(k) for k in after])
+            fresh = len(set(after) - set(before) - set(during))
+            assert sum(cluster.dbsize(p) for p in primaries) == len(before) + stored + fresh
+            assert redis_stats(client)[1] == failed
+    finally:
+        cluster.stop()
+
+
+def test_a_silent_seed_costs_each_call_at_most_the_timeout(tmp_path: Path) -> None:
+    """The only seed accepts connections and never answers (a hung host): a put, a get and
+    a lookup each return within ``redis.timeout`` (+ slack) with the host tier's bytes, and
+    health says degraded."""
+    timeout_s = 1.0
+    port = free_port()
+    redis = {"enabled": True, "url": f"redis+cluster://127.0.0.1:{port}", "timeout": "1s",
+             "write_policy": "write_through", "capacity": "64MiB"}  # fmt: skip
+    bound = timeout_s + SLACK_S
+    with (
+        silent_listener(port) as accepted,
+        running_daemon(tmp_path / "node", settings={"redis": redis}) as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=30.0) as client,
+    ):
+        keys = block_keys(own_tokens("silent-seed", 8), NAMESPACE)
+        statuses = within(bound, lambda: client.put(NAMESPACE, keys, [payload(k) for k in keys]))
+        assert statuses == [WriteStatus.STORED] * len(keys)  # a new daemon: all are new
+        unknown = block_keys(list(range(10**6, 10**6 + 64)), NAMESPACE)
+        assert within(bound, lambda: client.lookup(NAMESPACE, unknown)) == 0
+        got = within(bound, lambda: client.get(NAMESPACE, keys))
+        assert [bytes(x) for x in got] == [payload(k) for k in keys]
+        assert accepted  # the seed was tried
+        assert not redis_stats(client)[0]
+        assert health_line(daemon)[1].endswith(
+            "SERVING, degraded: redis tier down (hits come from the others)"
+        )
+
+
+def test_a_full_cluster_restart_loses_no_write_through(tmp_path: Path) -> None:
+    """Every node restarts (empty) with no traffic in between: the daemon's pooled
+    connections are closed, and the next saves find that out. None is lost silently: each
+    block reaches Redis or is counted in ``failed_writes`` (before, the write-throughs of
+    the first second or so were dropped while health said SERVING)."""
+    cluster = LocalCluster(tmp_path / "cluster")
+    cluster.start()
+    try:
+        with (
+            running_daemon(tmp_path / "node", settings=cluster_settings(cluster, "restart")) as d,
+            KVStoreClient(d.address, retries=0, timeout=30.0) as client,
+        ):
+            before = block_keys(own_tokens("before-the-restart", 8), NAMESPACE)
+            client.put(NAMESPACE, before, [payload(k) for k in before])
+            for port in list(cluster.procs):
+                proc = cluster.procs.pop(port)
+                proc.kill()
+                proc.wait(10)
+            for port in cluster.ports:
+                cluster.start_node(port)
+            wait_for(
+                lambda: all(cluster.info(p).get("cluster_state") == "ok" for p in cluster.ports),
+                timeout=60,
+            )
+            primaries = [p for p in cluster.ports if "master" in cluster.command(p, "ROLE")]
+            after = block_keys(own_tokens("after-the-restart", 12), NAMESPACE)
+            client.put(NAMESPACE, after, [payload(k) for k in after])
+            stored = sum(cluster.dbsize(p) for p in primaries)
+            failed = redis_stats(client)[1]
+            assert stored + failed == len(set(after) - set(before))
+            assert failed == 0  # the closed connections were retried on fresh ones
+    finally:
+        cluster.stop()

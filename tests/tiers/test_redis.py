@@ -11,9 +11,7 @@ import hashlib
 import logging
 import os
 import signal
-import socket
 import subprocess
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -27,7 +25,7 @@ from redis.exceptions import RedisError
 from kvstore.inference_adapter.bench.redis_cluster import LocalCluster, LocalSentinel, command
 from kvstore.tiers import BlobTooLargeError, InvalidKeyError, InvalidRangeError, TierClosedError
 from kvstore.tiers.redis import RedisTier
-from tests.support.net import free_port, self_signed
+from tests.support.net import free_port, self_signed, silent_listener
 from tests.support.waiting import until, wait_for
 
 KIB = 1024
@@ -61,32 +59,6 @@ def tier_healthy(tier: RedisTier) -> Callable[[], Awaitable[bool]]:
         return tier.healthy()
 
     return healthy
-
-
-@contextlib.contextmanager
-def silent_listener(port: int) -> Iterator[list[socket.socket]]:
-    """A node that accepts connections on ``port`` and never answers (a hung host); yields
-    the connections it accepted so far."""
-    accepted: list[socket.socket] = []
-    listener = socket.create_server(("127.0.0.1", port))
-    listener.settimeout(0.05)
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                accepted.append(listener.accept()[0])
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield accepted
-    finally:
-        stop.set()
-        thread.join()
-        listener.close()
-        for conn in accepted:
-            conn.close()
 
 
 @pytest.fixture
