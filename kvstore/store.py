@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Self
 
 from kvstore.arena import ArenaPlane, Commit
+from kvstore.budget import LoopBudget
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
 from kvstore.index import BlockMeta, Node, RadixIndex, block_id
@@ -62,7 +63,6 @@ from kvstore.results import (
 )
 from kvstore.tasks import finish_anyway
 from kvstore.tiering import (
-    YIELD_EVERY,
     Placement,
     StoreTier,
     add_run,
@@ -404,16 +404,16 @@ class BlockStore:
 
     async def usage_of(self, namespace: bytes) -> NamespaceUsage:
         """How many committed blocks ``namespace`` has, their payload bytes, and how many of
-        them each tier holds a copy of (it yields to the loop every ``YIELD_EVERY`` nodes)."""
+        them each tier holds a copy of (it yields to the loop by ``LoopBudget``)."""
         blocks = size = 0
         per_tier: Counter[str] = Counter()
-        for seen, node in enumerate(self.index.in_namespace(namespace), 1):
+        budget = LoopBudget()
+        for node in self.index.in_namespace(namespace):
             if node.committed and not node.doomed:
                 blocks += 1
                 size += node.size
                 per_tier.update(node.tiers)
-            if seen % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+            await budget.tick()
         tiers = tuple((slot.name, per_tier[slot.name]) for slot in self._tiers)
         return NamespaceUsage(namespace, blocks, size, tiers)
 
@@ -424,10 +424,10 @@ class BlockStore:
         nodes = [node for node in self.index.in_namespace(namespace) if node.committed]
         for node in nodes:
             node.doomed = True
-        for done, node in enumerate(nodes, 1):
+        budget = LoopBudget()
+        for node in nodes:
             await self._placement.settle(node)
-            if done % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+            await budget.tick()
         if nodes:
             log.info("evicted namespace %s: %d blocks", namespace.hex()[:16], len(nodes))
         return len(nodes)
@@ -658,18 +658,17 @@ class BlockStore:
         await self.relieve_pressure()
 
     async def relieve_pressure(self) -> None:
-        """Evicts from each tier above its high watermark until it is under the low one."""
+        """Evicts from each tier above its high watermark until it is under the low one,
+        yielding to the loop at least every ``SLICE_S`` of work."""
         for slot in self._tiers:
             capacity = slot.tier.capacity()
             if slot.tier.usage() <= self._high * capacity:
                 continue
-            evicted = 0
+            budget = LoopBudget()  # a long drain must not stall the loop
             while slot.tier.usage() > self._low * capacity:
                 if not await self._placement.evict_one(slot):
                     break
-                evicted += 1
-                if evicted % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # a long drain must not stall the loop
+                await budget.tick()
 
     def stats(self) -> StoreStats:
         tiers = tuple(

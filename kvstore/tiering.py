@@ -48,6 +48,7 @@ from kvstore.blocks import (
     header_length,
     payload_checksum,
 )
+from kvstore.budget import LoopBudget
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError
 from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
@@ -59,7 +60,6 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 1 << 20  # copies, checksums and codecs above this size run in a worker thread
 CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "lz4_shuffle": Codec.LZ4_SHUFFLE}
 PROMOTE = "^promote"  # the in-flight key of a node's promotion (tier names are plain words)
-YIELD_EVERY = 256  # blocks a sweep (TTL, watermark) handles before it lets the loop run
 T = TypeVar("T")
 
 
@@ -457,13 +457,13 @@ class Placement:
         blocks expired and those in use it passes, not the blocks held. The order is by
         last use except where a block entered the tier after its last use (a demotion) or a
         parent went last: such a block expires once the younger ones ahead of it have (or
-        have been used and moved back), within two TTLs.
+        have been used and moved back), within two TTLs. It yields to the loop at least
+        every ``SLICE_S`` of work (:class:`~kvstore.budget.LoopBudget`).
         """
-        expired = 0
+        expired, budget = 0, LoopBudget()
         while await self._expire_one(slot, cutoff):
             expired += 1
-            if expired % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+            await budget.tick()
         return expired
 
     async def _expire_one(self, slot: StoreTier, cutoff: float) -> bool:

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.blocks import ROOT_KEY, BlockLayout, Codec
+from kvstore.budget import SLICE_S
 from kvstore.errors import InvalidBlockError, StoreClosedError, UnknownLeaseError
 from kvstore.index import BlockMeta, block_id
 from kvstore.policies import LruPolicy, eviction_policy, write_policy
@@ -238,6 +239,36 @@ async def test_watermarks_start_high_and_stop_low(make_store) -> None:
         assert host.usage() == 5 * BLOCK
         assert store.stats().demotions == 4
         assert len(list(store.tier("ssd").tier.keys())) == 4
+
+
+async def test_a_watermark_drain_yields_by_time_not_by_count(make_store, monkeypatch) -> None:
+    """Each eviction here takes longer than a slice (``SLICE_S``), so the drain lets the
+    loop run after every one: a task beside it sees every step of the drain."""
+    async with make_store(host_blocks=10, high=0.8, low=0.3) as store:
+        host = store.tier("host").tier
+        await put_all(store, [block for i in range(8) for block in chain(f"y{i}", 1)])
+        evict_one = store._placement.evict_one
+
+        async def slow_evict_one(*args, **kwargs) -> bool:
+            started = time.perf_counter()
+            while time.perf_counter() - started < 2 * SLICE_S:
+                pass  # holds the loop, as a costly eviction does
+            return await evict_one(*args, **kwargs)
+
+        monkeypatch.setattr(store._placement, "evict_one", slow_evict_one)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            while True:
+                seen.append(host.usage() // BLOCK)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0)
+        await put_all(store, chain("y9", 1))  # 9 of 10: past 0.8, drained to 3
+        watcher.cancel()
+        assert host.usage() == 3 * BLOCK
+        assert {3, 4, 5, 6, 7, 8} <= set(seen)  # the loop ran between every two evictions
 
 
 class CountingLru(LruPolicy):
