@@ -45,7 +45,7 @@ from kvstore.config import (
     socket_gid,
 )
 from kvstore.errors import StoreError, UnauthenticatedError
-from kvstore.metrics import RpcMetrics, serve_metrics
+from kvstore.metrics import LoopLag, RpcMetrics, serve_metrics
 from kvstore.service import KVStoreService
 from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
 from kvstore.sessions import SessionServer
@@ -178,14 +178,16 @@ class RunningServer:
     authenticator: Authenticator | None = None
     rpcs: RpcMetrics | None = None  # per-call metrics, when [metrics] listen is set
     tier_health: asyncio.Task[None] | None = None  # keeps the tiers' health names current
+    loop_lag: asyncio.Task[None] | None = None  # measures the loop's lag, with the metrics
 
     async def stop(self, grace: float | None = None) -> None:
         """Marks health NOT_SERVING, stops accepting, lets calls in flight finish within
         ``grace`` seconds (default ``server.shutdown_grace``), cancels prefetches and removes
         the unix sockets."""
-        if self.tier_health is not None:
-            self.tier_health.cancel()
-            await asyncio.gather(self.tier_health, return_exceptions=True)
+        for task in (self.tier_health, self.loop_lag):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace if grace is None else grace)
         if self.sessions is not None:
@@ -232,6 +234,7 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.refresh()
     log.info("kvstore listening on %s", ", ".join(addresses))
+    loop = asyncio.get_running_loop()
     return RunningServer(
         server,
         service,
@@ -242,7 +245,8 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
         sessions,
         authenticator,
         rpcs,
-        asyncio.get_running_loop().create_task(health_servicer.watch_tiers()),
+        loop.create_task(health_servicer.watch_tiers()),
+        None if rpcs is None else loop.create_task(LoopLag(rpcs.registry).run(), name="loop-lag"),
     )
 
 

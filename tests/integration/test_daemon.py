@@ -308,6 +308,7 @@ def test_a_scrape_after_a_chat_shows_the_gets_and_hits_kvstore_stats_shows(
     assert metrics['kvstore_rpc_duration_seconds_bucket{le="10.0",method="Lookup"}'] == 4
     code = failed.value.code().name
     assert metrics[f'kvstore_rpcs_total{{code="{code}",method="Release"}}'] == 1
+    assert metrics["kvstore_event_loop_lag_seconds_count"] > 0  # the loop's lag, measured
     assert stats["version"] == "0.1.0" and 0 < stats["uptime_seconds"] < 600
 
 
