@@ -72,20 +72,25 @@ def test_two_planes_from_concurrent_processes_store_shared_blocks_once(tmp_path:
 
 
 def test_killed_client_leases_and_reservations_expire(tmp_path: Path) -> None:
-    settings = {"server": {"lease_ttl": "3s"}}
+    """The holder sets everything up under a 10-minute lease_ttl (nothing it holds can
+    expire before it reports, however loaded the machine), then holds a lease of 1 s, whose
+    end the test waits for: nothing here races the clock."""
+    settings = {"server": {"lease_ttl": "10m"}}
     with running_daemon(tmp_path, settings=settings) as daemon:
-        holder = worker("hold", daemon.address)
+        holder = worker("hold", daemon.address, "1")
         assert holder.stdout is not None
         report = json.loads(holder.stdout.readline())
         assert report == {"lease_slots": 2, "reserved": 2, "active": [1, 2],
                           "host_bytes": 4 * BLOCK}  # fmt: skip
+        assert json.loads(holder.stdout.readline()) == {"lease_slots": 2}  # the 1 s lease
         keys = block_keys(own_tokens("holder", 4), NAMESPACE)[8:]
         with KVStoreClient(daemon.address) as client:
             holder.send_signal(signal.SIGKILL)
             holder.wait(10)
-            # After the lease lifetime the daemon takes everything back by itself.
-            wait_for(lambda: client.stats().active_reservations == 0)
-            wait_for(lambda: client.stats().active_leases == 0)
+            # The daemon takes everything back by itself: the reservations when the dead
+            # client's session closes, the lease when its second is up.
+            wait_for(lambda: client.stats().active_reservations == 0, timeout=120)
+            wait_for(lambda: client.stats().active_leases == 0, timeout=120)
             stats = client.stats()
             assert (stats.expired_leases, stats.expired_reservations) == (1, 2)  # counted
             host = next(t for t in stats.tiers if t.name == "host")

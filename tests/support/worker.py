@@ -4,9 +4,10 @@ Modes:
 
 - ``roundtrip ADDRESS NAME SHM``: puts the shared chain and a chain of its own, reads both
   back through the chosen data plane, and prints a JSON report (statuses, bit-exactness).
-- ``hold ADDRESS``: puts two blocks, leases them, reserves two more through an shm session
-  and half-writes one into its staging slot, prints a report and sleeps, so a test can
-  SIGKILL it while it holds all of that.
+- ``hold ADDRESS SECONDS``: puts two blocks, leases them, reserves two more through an shm
+  session and half-writes one into its staging slot, prints a report, then swaps its lease
+  for one of ``SECONDS``, prints that lease's slots and sleeps, so a test can SIGKILL it
+  while it holds all of that.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def roundtrip(address: str, name: str, use_shm: bool) -> dict[str, object]:
     }
 
 
-def hold(address: str) -> None:
+def hold(address: str, lease_s: float) -> None:
     keys = block_keys(own_tokens("holder", 4), NAMESPACE)[8:]  # 4 blocks after the shared ones
     with KVStoreClient(address) as client:
         parent = block_keys(SHARED_TOKENS, NAMESPACE)[-1]
@@ -80,14 +81,17 @@ def hold(address: str) -> None:
         assert view.readonly  # a view is for reading: write through the mapping
     half = session.staging.tensor(slot.offset, BLOCK // 2)
     half.numpy()[:] = memoryview(payload(keys[2])[: BLOCK // 2])
-    # Read back at once, by this process: a lease of the daemon's short test TTL may end
-    # before another client has even connected.
     stats = stub.Stats(pb.StatsRequest())
     host = next(t for t in stats.tiers if t.name == "host")
     report = {"lease_slots": len(acquired.slots), "reserved": len(reserved.reservations),
               "active": [stats.active_leases, stats.active_reservations],
               "host_bytes": host.usage_bytes}  # fmt: skip
     print(json.dumps(report), flush=True)
+    # The lease a test sees expire is taken only now: everything above ran under the
+    # daemon's lease_ttl, long enough for any machine, whatever time it took here.
+    short = stub.Acquire(pb.AcquireRequest(namespace=ns, keys=keys[:2], lease_seconds=lease_s))
+    stub.Release(pb.ReleaseRequest(lease_id=acquired.lease_id))
+    print(json.dumps({"lease_slots": len(short.slots)}), flush=True)
     time.sleep(3600)
 
 
@@ -96,6 +100,6 @@ if __name__ == "__main__":
     if mode == "roundtrip":
         print(json.dumps(roundtrip(address, sys.argv[3], sys.argv[4] == "shm")), flush=True)
     elif mode == "hold":
-        hold(address)
+        hold(address, float(sys.argv[3]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
