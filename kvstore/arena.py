@@ -278,6 +278,8 @@ class ArenaPlane:
                 slot = self._host.reserve(block, size)
                 if slot is not None:
                     return slot
+                if await self._host.wait_unheld():  # room held a moment for pre-faulting
+                    continue
             if not await self._placement.evict_one(self._top):
                 return None
 

@@ -303,6 +303,9 @@ class HostTier:
         self._idle.set()
         self._prefault = prefault
         self._prefaults: set[asyncio.Task[int]] = set()
+        self._holds = 0  # pre-fault chunks held out of the allocator now
+        self._unheld = asyncio.Event()
+        self._unheld.set()
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -355,6 +358,8 @@ class HostTier:
         key = self._open_key(key)
         source = _byte_view(data)
         slot = self._allocate(key, source.nbytes)
+        while slot is None and await self.wait_unheld():
+            slot = self._allocate(key, source.nbytes)
         if slot is None:
             return False
         try:
@@ -630,6 +635,15 @@ class HostTier:
         self._prefaults.add(task)
         task.add_done_callback(self._prefaults.discard)
 
+    async def wait_unheld(self) -> bool:
+        """Waits until no pre-fault chunk is held out of the allocator; whether one was, so
+        that an allocation that failed may succeed now. Call it before evicting to make room:
+        space held for a few milliseconds of faulting is not a full tier."""
+        if not self._holds:
+            return False
+        await self._unheld.wait()
+        return True
+
     async def prefaulted(self) -> None:
         """Waits until the arenas' pre-faulting is done (for tests and benchmarks)."""
         await asyncio.gather(*self._prefaults, return_exceptions=True)
@@ -637,17 +651,23 @@ class HostTier:
     async def _prefault_arena(self, arena: _Arena) -> int:
         """Faults in, for ``arena``, the free pages no arena holds; returns the bytes. Each
         chunk is held out of the allocator while a worker thread faults it (no slot lands
-        there meanwhile), then left to ``arena`` as resident free space. It runs only while
-        more than half the tier is free, so a put never finds the tier full for a chunk
-        held (1/16 of it at most)."""
+        there meanwhile), then left to ``arena`` as resident free space. A chunk is taken
+        only while more than half the tier is free, but puts may fill the rest while it
+        faults: a put that then finds no other room waits for the chunk (a reserve's caller
+        does so through :meth:`wait_unheld`) rather than fail or evict."""
         faulted = 0
         while not self._closed and (span := self._unheld_free_span()) is not None:
             start, length = span
             self._allocator.hold(start, length)
+            self._holds += 1
+            self._unheld.clear()
             try:
                 await self._in_thread(arena.populate, start, length, self._page_bytes)
             finally:
                 self._allocator.unhold(start, length)
+                self._holds -= 1
+                if not self._holds:
+                    self._unheld.set()
             if self._closed:
                 break
             self._resident.left(start, start + length, arena)

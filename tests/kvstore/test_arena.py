@@ -23,6 +23,7 @@ from kvstore.policies import (
 from kvstore.store import BlockStore, PutStatus, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
+from tests.support.prefault import StalledPrefault
 
 LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=16, head_dim=64, dtype="float16")
 BLOCK = LAYOUT.payload_bytes
@@ -45,10 +46,11 @@ def make_store(
     ssd: bool = True,
     eviction: EvictionPolicy | None = None,
     hint_share: float = 1.0,
+    prefault: bool = False,
 ) -> BlockStore:
     tiers = [
         StoreTier(
-            HostTier(host_blocks * BLOCK),
+            HostTier(host_blocks * BLOCK, prefault=prefault),
             None,
             write_policy("write_through", 1),
         )
@@ -233,6 +235,29 @@ async def fill_host_with_evictable(store: BlockStore, count: int) -> None:
             PutStatus.STORED,
             PutStatus.DEDUP,
         )
+
+
+async def test_a_reserve_that_finds_only_a_faulting_chunk_free_waits_instead_of_evicting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arena fills while pre-faulting holds a chunk (one block of 16): the next reserve
+    waits for the chunk's faulting to end; it does not send a block down to SSD for room
+    that is only held a moment."""
+    stall = StalledPrefault(monkeypatch)
+    async with make_store(tmp_path, host_blocks=16, prefault=True) as store:
+        store.arena("")
+        await stall.started()
+        await fill_host_with_evictable(store, 15)
+        ((key, parent, _),) = blocks("last", 1)
+        task = asyncio.create_task(store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not task.done()
+        stall.release()
+        assert (await task).status is PutStatus.RESERVED
+        assert store.stats().tiers[0].evictions == 0
+        filler = [k for k, _, _ in blocks("filler", 15)]
+        assert (await store.lookup(filler, NS_A)).runs == (("host", 15),)
 
 
 async def test_concurrent_acquires_of_an_ssd_only_block_promote_it_once(tmp_path: Path) -> None:

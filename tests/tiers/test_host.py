@@ -31,6 +31,7 @@ from kvstore.tiers.host import (
     Slot,
     SlotExistsError,
 )
+from tests.support.prefault import StalledPrefault
 
 PAGE = 4096
 MIB = 1024 * 1024
@@ -215,6 +216,31 @@ async def test_puts_racing_the_prefault_all_land_while_the_tier_has_room() -> No
         assert all(stored)
         assert [await host.get(key) for key in blobs] == list(blobs.values())
         assert held_bytes(host, "") <= 64 * MIB
+
+
+async def test_a_put_that_finds_only_a_faulting_chunk_free_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tier fills while a pre-fault chunk (1 MiB of 16) is held: the put that needs the
+    chunk's space waits for its faulting to end and lands; it does not fail."""
+    blob = 64 * PAGE
+    stall = StalledPrefault(monkeypatch)
+    async with HostTier(16 * MIB, prefault=True) as host:
+        host.arena("")
+        await stall.started()
+        for i in range(15 * MIB // blob):
+            assert await host.put(f"k{i}".encode(), bytes([i]) * blob)
+        assert host.reserve(b"r", blob) is None  # only the held chunk is free
+        last = asyncio.create_task(host.put(b"last", b"L" * blob))
+        waiter = asyncio.create_task(host.wait_unheld())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not last.done() and not waiter.done()
+        stall.release()
+        assert await last and await waiter
+        assert not await host.wait_unheld()  # nothing held now
+        assert await host.get(b"last") == b"L" * blob
+        assert host.usage() == 15 * MIB + blob  # the rest of the chunk is free again
 
 
 async def test_without_prefault_an_arena_holds_only_what_was_written() -> None:
