@@ -29,6 +29,7 @@ import numpy as np
 import xxhash
 
 from kvstore.blocks import payload_checksum
+from kvstore.budget import LoopBudget
 from kvstore.errors import InvalidBlockError
 from kvstore.index import BlockMeta, Node, RadixIndex, block_id
 from kvstore.leases import LeaseTable
@@ -116,8 +117,8 @@ class ArenaPlane:
         """Leases the leading held blocks of ``keys``, promoted into the arena and pinned.
 
         A block already in the arena costs no await (the common case: a hit on the host
-        tier); its hit is counted as :meth:`Placement.record_hit` counts one, the counters
-        once per call.
+        tier) but the loop's yield once a ``LoopBudget`` slice has run; its hit is counted
+        as :meth:`Placement.record_hit` counts one, the counters once per call.
         """
         nodes: list[Node] = []
         slots: list[Slot] = []
@@ -126,6 +127,7 @@ class ArenaPlane:
         find, accessed, pin = self._index.find, placement.policy.accessed, host.pin_block
         now = time.monotonic()
         tried = misses = hits = hit_bytes = 0
+        budget = LoopBudget()
         try:
             for key in keys:
                 tried += 1
@@ -151,6 +153,7 @@ class ArenaPlane:
                     misses += 1  # held, but no room in the arena for it
                     break
                 slots.append(slot)
+                await budget.tick()  # the blocks so far are leased: nothing evicts them
         except BaseException:
             self._unpin(slots)
             raise
@@ -318,11 +321,32 @@ class ArenaPlane:
             for entry, _ in live:
                 self._drop(entry.node.id)
             raise
-        found = iter(sums)
-        # Every block lands at once: their write-throughs to lower tiers run side by side,
-        # so a commit waits for one tier call (a silent Redis: its timeout), not one a block.
-        landed = iter(await asyncio.gather(*(self._land(e, w, next(found)) for e, w in live)))
-        return [PutStatus.EXPIRED if entry is None else next(landed) for entry in entries]
+        # Each block lands in the arena in turn, the loop yielded to once a slice of them ran
+        # (a 512-block commit is ~10 ms of per-block work); their write-throughs to lower
+        # tiers then run side by side, so a commit waits for one tier call (a silent Redis:
+        # its timeout), not one a block.
+        budget = LoopBudget()
+        landed: list[PutStatus] = []
+        throughs: list[_Reservation] = []  # landed; visible once written through
+        try:
+            for (entry, write), total in zip(live, sums, strict=True):
+                status = self._land(entry, write, total)
+                landed.append(status)
+                if status is PutStatus.STORED:
+                    if self._writes_on_put:
+                        throughs.append(entry)
+                    else:
+                        self._visible(entry.node)
+                await budget.tick()
+        except BaseException:  # cancelled at a yield: what had not landed is dropped,
+            for entry, _ in live[len(landed) :]:  # what had is served without lower copies
+                self._drop(entry.node.id)
+            for entry in throughs:
+                self._visible(entry.node)
+            raise
+        await asyncio.gather(*(self._write_through(entry) for entry in throughs))
+        statuses = iter(landed)
+        return [PutStatus.EXPIRED if entry is None else next(statuses) for entry in entries]
 
     async def _sum(self, items: Sequence[tuple[Slot, Buffer | None]]) -> list[int]:
         """The checksum of each slot, after copying its source into it (one thread hop)."""
@@ -335,8 +359,10 @@ class ArenaPlane:
             for view in views:
                 view.release()
 
-    async def _land(self, entry: _Reservation, write: Commit, found: int) -> PutStatus:
-        node, slot = entry.node, entry.slot
+    def _land(self, entry: _Reservation, write: Commit, found: int) -> PutStatus:
+        """Makes the arena hold a filled reservation (not yet visible): STORED, or
+        CHECKSUM_MISMATCH (dropped)."""
+        node = entry.node
         if write.checksum and found != write.checksum:
             log.warning("block %s: bytes do not match the writer's checksum", node.id.hex()[:16])
             self._drop(node.id)
@@ -346,16 +372,22 @@ class ArenaPlane:
         node.checksum = found
         self._placement.index.add_copy(node, self._top.name)
         self._counts[f"written_bytes.{self._top.name}"] += node.size
-        if self._writes_on_put:
-            node.busy += 1
-            try:
-                with self._host.view(slot) as payload:
-                    await self._placement.write_through(node, payload)
-            finally:
-                node.busy -= 1
+        return PutStatus.STORED
+
+    async def _write_through(self, entry: _Reservation) -> None:
+        """Copies a landed block to the tiers that write at put time, then makes it visible."""
+        node = entry.node
+        node.busy += 1
+        try:
+            with self._host.view(entry.slot) as payload:
+                await self._placement.write_through(node, payload)
+        finally:
+            node.busy -= 1
+        self._visible(node)
+
+    def _visible(self, node: Node) -> None:
         self._index.commit(node.id)
         self._counts["puts"] += 1
-        return PutStatus.STORED
 
     async def abort(self, key: bytes, namespace: bytes, owner: object) -> bool:
         """Frees ``owner``'s reservation of ``key``; False when it holds none."""

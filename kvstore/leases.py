@@ -24,6 +24,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore.budget import LoopBudget
 from kvstore.errors import InvalidRequestError, UnknownLeaseError
 from kvstore.index import Node, RadixIndex
 from kvstore.results import Lease
@@ -121,12 +122,19 @@ class LeaseTable:
     async def expire(self, now: float) -> int:
         """Ends every lease past its deadline; returns how many."""
         expired = [key for key, e in self._entries.items() if e.expires_at <= now]
+        ended = 0
+        budget = LoopBudget()  # thousands of leases may end at once
         for key in expired:
+            entry = self._entries.pop(key, None)
+            if entry is None:  # released while the sweep yielded
+                continue
             log.info("lease %d expired", key[1])
-            await self._end(key[0], self._entries.pop(key))
+            await self._end(key[0], entry)
+            ended += 1
+            await budget.tick()
         while self._tombstones and next(iter(self._tombstones.values())) <= now:
             self._tombstones.popitem(last=False)
-        return len(expired)
+        return ended
 
     async def _end(self, owner: object, entry: _Entry) -> None:
         self._per_owner[owner] -= 1

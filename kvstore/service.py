@@ -44,6 +44,7 @@ from typing import Self
 
 from kvstore import __version__
 from kvstore.blocks import BlockLayout
+from kvstore.budget import LoopBudget
 from kvstore.checks import (
     KEY_BYTES,
     MAX_KEYS,
@@ -408,6 +409,7 @@ class KVStoreService:
         store, size = self._store, layout.payload_bytes
         items: list[Reserved] = []
         reaped = False
+        budget = LoopBudget()  # 512 blocks are ~10 ms of work: others' calls run between
         for spec in blocks:
             block = spec.key + namespace
             if block in writer.slots:  # named twice: this session writes it
@@ -434,6 +436,7 @@ class KVStoreService:
             else:
                 writer.give(block)
                 items.append(reserved)
+            await budget.tick()  # what this call reserved is the store's: no reap frees it
         return Reservations(tuple(items), ttl)
 
     async def _reserve_one(
@@ -523,16 +526,20 @@ class KVStoreService:
         self.layout_of(namespace, tenant=tenant)
         check_keys(keys)
         writer = self._session(session, tenant)
+        budget = LoopBudget()
         for key in keys:
             await self._store.abort(key, namespace, owner=writer.id)
             writer.give(key + namespace)
+            await budget.tick()
 
     async def close_session(self, session: Session) -> None:
         """Aborts what a closed session left reserved (its client went away)."""
+        budget = LoopBudget()
         for block in list(session.slots):
             key, space = block[:KEY_BYTES], block[KEY_BYTES:]
             await self._store.abort(key, space, owner=session.id, abandoned=True)
             session.give(block)
+            await budget.tick()
 
     def _session(self, session: bytes, tenant: str | None) -> Session:
         if self.sessions is None:

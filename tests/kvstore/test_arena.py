@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import mmap
+import time
 from pathlib import Path
 
 import pytest
 
 from kvstore.blocks import ROOT_KEY, BlockLayout, Codec, payload_checksum
+from kvstore.budget import LoopBudget
 from kvstore.errors import InvalidBlockError, NoArenaError, UnknownLeaseError
 from kvstore.index import BlockMeta
 from kvstore.policies import (
@@ -258,6 +260,27 @@ async def test_a_reserve_that_finds_only_a_faulting_chunk_free_waits_instead_of_
         assert store.stats().tiers[0].evictions == 0
         filler = [k for k, _, _ in blocks("filler", 15)]
         assert (await store.lookup(filler, NS_A)).runs == (("host", 15),)
+
+
+async def test_a_lease_released_while_the_expiry_sweep_yields_ends_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The expiry sweep yields between leases (LoopBudget, its slice 0 s here): a lease its
+    holder releases meanwhile is not ended a second time, and every block is unleased."""
+    monkeypatch.setattr(LoopBudget.__init__, "__defaults__", (0.0,))
+    async with make_store(tmp_path, host_blocks=8, ssd=False) as store:
+        chain = blocks("leased", 4)
+        for key, parent, payload in chain:
+            await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
+        leases = [(await store.acquire([k], NS_A, ttl=1.0)).lease for k, _, _ in chain]
+        sweep = asyncio.create_task(store.maintain(now=time.monotonic() + 60))
+        await asyncio.sleep(0)  # the sweep ended the first lease and yielded
+        assert not sweep.done()
+        await store.release(leases[-1].lease_id)
+        await sweep
+        assert store.stats().expired_leases == 3
+        assert store.stats().active_leases == 0
+        assert all(store.index.find(k, NS_A).leases == 0 for k, _, _ in chain)
 
 
 async def test_concurrent_acquires_of_an_ssd_only_block_promote_it_once(tmp_path: Path) -> None:

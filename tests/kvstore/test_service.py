@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from kvstore.blocks import ROOT_KEY, payload_checksum
+from kvstore.budget import LoopBudget
 from kvstore.client.keys import block_keys
 from kvstore.client.shm import ShmSession
 from kvstore.config import Config, EvictionConfig, HostConfig, ServerConfig, SsdConfig
@@ -34,6 +36,7 @@ MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64
                          dtype="float16", block_tokens=16)  # fmt: skip
 LAYOUT = MODEL.layout()
 BLOCK = LAYOUT.payload_bytes  # 16 KiB
+T = TypeVar("T")
 
 
 def make_config(tmp_path: Path, host_blocks: int = 64) -> Config:
@@ -242,6 +245,41 @@ async def test_a_reserve_into_a_full_arena_evicts_before_it_reserves(
     assert [r.status for r in reserved.items] == [PutStatus.RESERVED] * 2
     assert (await service.lookup(ns, keys(held))).runs == (("host", 62), ("ssd", 2))
     await service.abort(ns, keys(new), session=session.session_id)
+
+
+async def test_a_many_block_reserve_commit_and_acquire_let_other_calls_run_between_blocks(
+    service: KVStoreService, store: BlockStore, session: ShmSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reserve, Commit and Acquire of many blocks yield to the loop as they go (LoopBudget;
+    here its slice is 0 s, so after every block): another task, running meanwhile, sees the
+    48 reservations, the commits and the leased blocks part done (a 512-block call is ~10 ms
+    of per-block work that every other call used to wait for)."""
+    monkeypatch.setattr(LoopBudget.__init__, "__defaults__", (0.0,))
+    ns = service.register_namespace(MODEL, "alice")
+    chain = blocks_of("alice", 48)
+    seen: dict[str, set[int]] = {"reserved": set(), "visible": set(), "leased": set()}
+
+    async def watch(call: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(call)
+        while not task.done():
+            stats = store.stats()
+            seen["reserved"].add(stats.active_reservations)
+            seen["visible"].add(store.lookup_local(keys(chain), ns).num_blocks)
+            seen["leased"].add(sum(node.leases for node in store.index.in_namespace(ns)))
+            await asyncio.sleep(0)
+        return await task
+
+    reserved = await watch(
+        service.reserve(ns, [spec for spec, _ in chain], session=session.session_id)
+    )
+    slots = [(item.slot.offset, item.slot.length) for item in reserved.items]
+    await session.staging.copy_in(slots, [payload for _, payload in chain])
+    statuses = await watch(service.commit(ns, keys(chain), session=session.session_id))
+    acquired = await watch(service.acquire(ns, keys(chain), lease_seconds=5.0))
+    assert statuses == [PutStatus.STORED] * 48 and acquired.lease.num_blocks == 48
+    for name, counts in seen.items():
+        assert any(0 < count < 48 for count in counts), (name, sorted(counts))
+    await service.release(acquired.lease.lease_id)
 
 
 async def test_reserve_write_commit_acquire_read_release(service, session) -> None:
