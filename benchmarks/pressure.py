@@ -1,7 +1,7 @@
 """A client's lookups while another client's puts keep the host tier evicting.
 
     python -m benchmarks.pressure [--sizes 20000,200000] [--lookups 300] [--put-blocks 512]
-                                  [--json out.json]
+                                  [--writer-duty 1.0] [--json out.json]
 
 For each size ``N`` it starts a real daemon (``python -m kvstore serve``: a host tier of
 ``N`` blocks of 4 KiB, SSD and Redis off, default watermarks 0.95 / 0.85, the metrics
@@ -11,9 +11,12 @@ times ``L`` lookups of that chain, one every ``PACE_S``, in each phase:
 
 - idle: nothing else runs;
 - evicting: a writer (a second process, its own client over shm) puts new 512-block chains,
-  ``--put-blocks`` blocks a put, as fast as it can, so the tier crosses its high watermark
+  ``--put-blocks`` blocks a put, as fast as it can (or, with ``--writer-duty d``, resting
+  after each put so that it works ``d`` of the time: on a machine of few cores a writer that
+  never rests takes a core from the looking client), so the tier crosses its high watermark
   again and again and each commit that crosses it drains it to the low one (2K evictions a
-  drain at 20K blocks, 20K at 200K);
+  drain at 20K blocks, 20K at 200K); the phase goes on, ``L`` lookups at a time, until it
+  holds at least one drain;
 - idle again.
 
 Per phase: the lookups' p50 / p99 from the client, the daemon's event-loop lag p99 and
@@ -37,7 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -61,6 +64,8 @@ RATIO_TARGET, LAG_TARGET_MS = 2.0, 2.0
 MODEL = ModelFingerprint("bench-pressure", 1, 1, BLOCK // 4, "float16", block_tokens=1)
 NAMESPACE = Namespace(MODEL, tenant="bench")
 LAG = "kvstore_event_loop_lag_seconds"
+EVICTED = 'kvstore_tier_evictions_total{tier="host"}'
+PHASE_LIMIT_S = 600.0
 
 
 def daemon_config(socket: Path, blocks: int, metrics_port: int) -> str:
@@ -102,7 +107,11 @@ async def put_chains(client: AsyncKVStoreClient, first_seed: int, count: int) ->
 # The writer: a process of its own ---------------------------------------------------------
 
 
-def writer(address: str, first_seed: int, stop: Event, put_blocks: int) -> None:
+def writer(address: str, first_seed: int, stop: Event, put_blocks: int, duty: float) -> None:
+    """Puts new chains until ``stop``; after each put it rests ``(1 - duty) / duty`` times
+    as long as the put took, so that it works ``duty`` of the time."""
+    rest = (1.0 - duty) / duty
+
     async def run() -> None:
         async with AsyncKVStoreClient(address, timeout=120) as client:
             seed = first_seed
@@ -111,7 +120,10 @@ def writer(address: str, first_seed: int, stop: Event, put_blocks: int) -> None:
                 for start in range(0, CHAIN, put_blocks):
                     keys = chain[start : start + put_blocks]
                     parent = chain[start - 1] if start else ROOT_KEY
+                    began = time.perf_counter()
                     await client.put(NAMESPACE, keys, PAYLOADS[: len(keys)], parent=parent)
+                    if rest:
+                        await asyncio.sleep((time.perf_counter() - began) * rest)
                 seed += 1
 
     uvloop.run(run())
@@ -166,15 +178,23 @@ class Phase:
     seconds: float
 
 
-async def timed_lookups(client: AsyncKVStoreClient, keys: list[bytes], calls: int) -> list[float]:
-    spent = []
-    for turn in range(WARM_UP + calls):
+async def timed_lookups(
+    client: AsyncKVStoreClient, keys: list[bytes], calls: int, more: Callable[[], Awaitable[bool]]
+) -> list[float]:
+    """At least ``calls`` timed lookups (after ``WARM_UP``), and on while ``more()`` says so
+    (asked every ``calls`` lookups)."""
+    spent: list[float] = []
+    turn = 0
+    while True:
+        if turn >= WARM_UP + calls and len(spent) % calls == 0 and not await more():
+            break
+        turn += 1
         start = time.perf_counter()
         found = await client.lookup(NAMESPACE, keys)
         took = time.perf_counter() - start
         if found != CHAIN:
             raise RuntimeError(f"the leased chain lost blocks: {found} of {CHAIN} found")
-        if turn >= WARM_UP:
+        if turn > WARM_UP:
             spent.append(took)
         await asyncio.sleep(PACE_S)
     return spent
@@ -192,14 +212,19 @@ async def phase(
 ) -> Phase:  # fmt: skip
     before, started = await asyncio.to_thread(scrape, port), time.perf_counter()
     stalled = cpu_stalled_us()
-    spent = await timed_lookups(client, keys, calls)
+
+    async def no_eviction_yet() -> bool:  # an evicting phase holds a drain, however short
+        if name != "evicting" or time.perf_counter() - started > PHASE_LIMIT_S:
+            return False
+        return (await asyncio.to_thread(scrape, port))[EVICTED] == before[EVICTED]
+
+    spent = await timed_lookups(client, keys, calls, no_eviction_yet)
     stalled = cpu_stalled_us() - stalled
     after, seconds = await asyncio.to_thread(scrape, port), time.perf_counter() - started
-    evicted = 'kvstore_tier_evictions_total{tier="host"}'
     return Phase(
-        blocks, name, calls, p(spent, 50), p(spent, 99), stalled / 1e6 / seconds,
+        blocks, name, len(spent), p(spent, 50), p(spent, 99), stalled / 1e6 / seconds,
         lag_percentile(before, after, 0.99),
-        lag_percentile(before, after, 1.0), int(after[evicted] - before[evicted]), seconds,
+        lag_percentile(before, after, 1.0), int(after[EVICTED] - before[EVICTED]), seconds,
     )  # fmt: skip
 
 
@@ -214,7 +239,9 @@ async def daemon(scratch: Path, blocks: int) -> AsyncIterator[tuple[str, int]]:
         yield f"unix:{sock}", port
 
 
-async def bench_size(blocks: int, calls: int, scratch: Path, put_blocks: int) -> list[Phase]:
+async def bench_size(
+    blocks: int, calls: int, scratch: Path, put_blocks: int, duty: float
+) -> list[Phase]:
     async with (
         daemon(scratch, blocks) as (address, port),
         AsyncKVStoreClient(address, timeout=120, staging_bytes=8 << 20) as client,
@@ -233,13 +260,12 @@ async def bench_size(blocks: int, calls: int, scratch: Path, put_blocks: int) ->
             rows = [await phase("idle", blocks, client, keys, calls, port)]
             stop = multiprocessing.get_context("spawn").Event()
             proc = multiprocessing.get_context("spawn").Process(
-                target=writer, args=(address, filled + 1, stop, put_blocks), daemon=True
+                target=writer, args=(address, filled + 1, stop, put_blocks, duty), daemon=True
             )
             proc.start()
             try:
-                evicted = 'kvstore_tier_evictions_total{tier="host"}'
-                deadline = time.monotonic() + 600
-                while (await asyncio.to_thread(scrape, port)).get(evicted, 0) == 0:
+                deadline = time.monotonic() + PHASE_LIMIT_S
+                while (await asyncio.to_thread(scrape, port)).get(EVICTED, 0) == 0:
                     if time.monotonic() > deadline:  # the first drain has not begun
                         raise RuntimeError("the writer's puts evicted nothing in 600 s")
                     await asyncio.sleep(0.05)
@@ -286,15 +312,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         type=lambda text: [int(n) for n in text.split(",")])  # fmt: skip
     parser.add_argument("--lookups", type=int, default=300, help="timed lookups per phase")
     parser.add_argument("--put-blocks", type=int, default=CHAIN, help="blocks a put carries")
+    parser.add_argument("--writer-duty", type=float, default=1.0,
+                        help="share of the time the writer puts (1: never rests)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
+    if not 0.0 < args.writer_duty <= 1.0:
+        parser.error(f"--writer-duty must be in (0, 1], got {args.writer_duty}")
     about = {"cores": str(os.cpu_count()), "load avg": f"{os.getloadavg()[0]:.2f}",
              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     scratch = Path(tempfile.mkdtemp(prefix="kvs-press-"))  # short: a unix socket path
     rows: list[Phase] = []
     try:
         for blocks in args.sizes:
-            rows += uvloop.run(bench_size(blocks, args.lookups, scratch, args.put_blocks))
+            rows += uvloop.run(
+                bench_size(blocks, args.lookups, scratch, args.put_blocks, args.writer_duty)
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     about["load avg after"] = f"{os.getloadavg()[0]:.2f}"
