@@ -182,21 +182,21 @@ class RadixIndex:
             )
         meta = self._metas.setdefault(meta, meta)
         node = Node(key=key, parent=parent, meta=meta, size=size, id=block_id(key, meta.namespace))
-        collector.untrack(node)  # first: the dicts it goes into then stay untracked (cheaper)
-        self._nodes[node.id] = node
-        space = self._spaces.get(meta.namespace)
-        if space is None:
-            space = self._spaces[meta.namespace] = {}
-        space[key] = node
-        siblings = self._children.get(node.parent_id)
-        if siblings is None:
-            siblings = self._children[node.parent_id] = {}
-            collector.untrack(self._children)
-        siblings[node.id] = None
         # The node refers to bytes, shared values and dicts of atoms, and the dicts hold
         # nodes or atoms only: no cycle to find, so the garbage collector never walks them.
-        for obj in (self._nodes, space, self._spaces):
-            collector.untrack(obj)
+        # Everything is allocated before the inserts (see collector.insert).
+        collector.untrack(node)
+        space = self._spaces.get(meta.namespace)
+        if space is None:
+            space = {}
+            collector.insert(self._spaces, meta.namespace, space)
+        siblings = self._children.get(node.parent_id)
+        if siblings is None:
+            siblings = {}
+            collector.insert(self._children, node.parent_id, siblings)
+        collector.insert(self._nodes, node.id, node)
+        collector.insert(space, key, node)
+        siblings[node.id] = None
         for child in self._children.get(node.id, ()):  # children that came first
             for tier in self._nodes[child].tiers:
                 self._count_child(node, tier, +1)

@@ -242,13 +242,12 @@ class ArenaAllocator:
         page = slab.take()
         if slab.full:
             self._close_slab(slab)
-        self._live[page] = slab
-        self._used_pages += pages
         slot = Slot(page * self.page_bytes, length)
         # Slots hold ints, and _live holds slabs that refer to nothing else: no cycles for
         # the garbage collector to find there, so it never walks a slot per block.
         collector.untrack(slot)
-        collector.untrack(self._live)
+        collector.insert(self._live, page, slab)
+        self._used_pages += pages
         return slot
 
     def free(self, slot: Slot) -> None:
@@ -302,7 +301,7 @@ class ArenaAllocator:
         # A slab refers to ints and a list of ints: hidden from the collector, it leaves the
         # map of live slots untracked as slots are allocated (see allocate).
         collector.untrack(slab)
-        self._slabs[start] = slab
+        collector.insert(self._slabs, start, slab)
         bisect.insort(self._open.setdefault(pages, []), start)
         return slab
 

@@ -8,13 +8,17 @@ block can be part of a reference cycle: a node refers to bytes, shared metadata 
 atoms, a slot to two ints, and the containers that hold them hold nothing else. So the
 collector has nothing to find there, and is kept from looking. Primitives:
 
-- ``untrack(obj)``: takes a per-block record (an index node, a host slot) or a container of
-  per-block records (the index's dicts, a policy's order) out of the collector's sight.
-  Call it on a record that refers to no object that could refer back to it, and on a
-  container after each insertion of such records (CPython tracks a dict again when a value
-  it could track goes in; a dict of atoms only, bytes to ints, it never tracks). Reference
-  counting still frees them. CPython only (``PyObject_GC_UnTrack``, its public C call); a
-  no-op elsewhere.
+- ``untrack(obj)``: takes a per-block record (an index node, a host slot) or a container
+  of atoms (a policy's order, bytes to None) out of the collector's sight. Call it on a
+  record that refers to no object that could refer back to it. Reference counting still
+  frees them. CPython only (``PyObject_GC_UnTrack``, its public C call); a no-op elsewhere.
+- ``insert(mapping, key, value)``: ``mapping[key] = value`` for a dict of such records (the
+  index's nodes, the host tier's slots). CPython tracks a dict again when a value it could
+  track goes in, even an untracked record, and puts it in the youngest generation; a
+  collection of that generation, due every ~700 allocations, then walks every entry (10-20
+  ms for 200K blocks: it was most of the event loop's lag at that size). ``insert`` untracks
+  the dict again before anything can allocate, with collections held off for that one call;
+  callers allocate nothing between two such inserts either.
 - ``freeze()``: collects once, then moves every object alive into the permanent generation
   (``gc.freeze``): the modules, the config, the tiers. Full collections walk only what was
   made after. The daemon calls it once its store has started, before it serves. An object
@@ -31,6 +35,7 @@ import ctypes
 import gc
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 
 def _untrack_call() -> Callable[[object], None] | None:
@@ -43,12 +48,29 @@ def _untrack_call() -> Callable[[object], None] | None:
 
 _UNTRACK = _untrack_call()
 _is_tracked = gc.is_tracked
+_gc_enabled, _gc_disable, _gc_enable = gc.isenabled, gc.disable, gc.enable
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def untrack(obj: object) -> None:
     """Hides ``obj`` from the collector (see the module docstring for when that is safe)."""
     if _UNTRACK is not None and _is_tracked(obj):
         _UNTRACK(obj)
+
+
+def insert(mapping: dict[K, V], key: K, value: V) -> None:
+    """``mapping[key] = value``, ``mapping`` left untracked (see the module docstring)."""
+    mapping[key] = value
+    if _UNTRACK is not None and _is_tracked(mapping):
+        if _gc_enabled():  # the call allocates its argument tuple: no collection meanwhile
+            _gc_disable()
+            try:
+                _UNTRACK(mapping)
+            finally:
+                _gc_enable()
+        else:
+            _UNTRACK(mapping)
 
 
 def freeze() -> int:

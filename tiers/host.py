@@ -369,8 +369,7 @@ class HostTier:
             self._release(slot)
             raise
         old = self._committed.get(key)
-        self._committed[key] = slot
-        collector.untrack(self._committed)
+        collector.insert(self._committed, key, slot)
         if old is not None:
             self._release(old)
         return True
@@ -539,8 +538,7 @@ class HostTier:
         slot = self._pending.pop(key, None)
         if slot is None:
             raise ReservationNotFoundError(f"{self.name}: key {key.hex()} is not reserved")
-        self._committed[key] = slot
-        collector.untrack(self._committed)
+        collector.insert(self._committed, key, slot)
         return slot
 
     def abort(self, key: bytes) -> bool:
@@ -707,10 +705,9 @@ class HostTier:
         for other, start, stop in self._resident.claim(slot.offset, end, arena):
             if not other.keeps:  # a registered mapping must keep seeing the same pages
                 other.punch(start, stop - start)
-        self._owner[slot.offset] = arena
         # Per-slot maps of untracked slots and of arenas (which refer to no slot map): kept
         # out of the garbage collector's walks (see kvstore.tiers.collector).
-        collector.untrack(self._owner)
+        collector.insert(self._owner, slot.offset, arena)
         return slot
 
     def _release(self, slot: Slot) -> None:

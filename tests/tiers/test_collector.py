@@ -11,6 +11,8 @@ import pytest
 
 from kvstore.tiers import collector
 from kvstore.tiers.allocator import ArenaAllocator
+from kvstore.tiers.host import HostTier
+from tests.support.young import biggest_young_dict
 
 cpython = pytest.mark.skipif(sys.implementation.name != "cpython", reason="CPython's collector")
 
@@ -51,6 +53,31 @@ def test_allocator_slots_are_untracked() -> None:
     slots = [allocator.allocate(100) for _ in range(200)]
     assert all(slot is not None and not gc.is_tracked(slot) for slot in slots)
     assert not gc.is_tracked(allocator._live)
+
+
+@cpython
+async def test_no_collection_finds_a_per_block_map_of_the_host_tier_tracked() -> None:
+    """A young collection can run at any allocation; none, here one per allocation, finds
+    the host tier's or the allocator's map of 2,000 slots in its generation (it would walk
+    them all: 10-20 ms at 200K blocks)."""
+    async with HostTier(4096 * 2100) as host:
+        with biggest_young_dict() as watch:
+            for i in range(2000):
+                key = i.to_bytes(8, "big")
+                if i % 2:
+                    assert await host.put(key, b"x" * 100)
+                else:
+                    assert host.reserve(key, 100) is not None
+                    host.commit(key)
+    assert watch.largest < 100
+
+
+def test_insert_leaves_the_dict_untracked() -> None:
+    records: dict[int, Record] = {}
+    for i in range(100):
+        collector.insert(records, i, Record(b"r"))
+        assert not gc.is_tracked(records) or sys.implementation.name != "cpython"
+    assert len(records) == 100 and records[5].key == b"r"
 
 
 def test_freeze_moves_the_live_objects_out_of_full_collections() -> None:
