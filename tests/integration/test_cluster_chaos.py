@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import logging
 import random
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -106,12 +105,11 @@ async def test_reads_stay_right_while_primaries_are_killed_and_rejoin(
         )  # fmt: skip  (full at ~100 keys)
         async with tier:
             stop, seen, kills = asyncio.Event(), Counter[str](), list[int]()
-            started = time.monotonic()
             await asyncio.gather(
                 chaos(cluster, stop, kills),
                 *(worker(tier, seed, stop, seen) for seed in range(TASKS)),
             )
-            assert len(kills) == KILLS and time.monotonic() - started < 4 * LOAD_S
+            assert len(kills) == KILLS
             assert seen["hit"] > 1000 and seen["miss"] > 0 and seen["stored"] > 500
             assert seen["not stored"] > 0  # the capacity was reached: refusals ran too
             # An outage is told once per node that goes down, not once per call.

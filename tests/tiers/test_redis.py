@@ -49,9 +49,12 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8  # 32 bytes, like a block key
 
 
+FAST_TIMEOUT_S = 0.2
+
+
 def fast_tier(url: str) -> RedisTier:
     """A tier that gives up on Redis quickly and probes it again soon."""
-    return RedisTier(url, 64 * KIB, timeout_s=0.2, retry_interval_s=0.1)
+    return RedisTier(url, 64 * KIB, timeout_s=FAST_TIMEOUT_S, retry_interval_s=0.1)
 
 
 def tier_healthy(tier: RedisTier) -> Callable[[], Awaitable[bool]]:
@@ -208,7 +211,8 @@ async def test_hung_redis_times_out_into_misses(server: RedisServer) -> None:
         try:
             started = time.monotonic()
             assert await tier.get(key(1)) is None
-            assert time.monotonic() - started < 1.0
+            # The documented bound, from the tier's own timeout (+1 s for a loaded machine).
+            assert time.monotonic() - started < FAST_TIMEOUT_S + 1.0
             assert not tier.healthy()
         finally:
             server.proc.send_signal(signal.SIGCONT)

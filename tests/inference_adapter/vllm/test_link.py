@@ -61,8 +61,10 @@ def test_down_at_start_then_up_then_killed_then_back(
         for _ in range(50):  # within retry_s: refused at once, no connection attempt
             with pytest.raises(DaemonDown):
                 link.call(lookup)
-        assert time.monotonic() - started < retry_s  # else the check below would mean less
-        assert link.failures == 1 and downs(caplog) == 1  # one line, not one per call
+        # One failure and one line, not one per call; a stalled machine may have let the
+        # retry window pass (a connection attempt each time it did).
+        windows = 1 + int((time.monotonic() - started) / retry_s)
+        assert 1 <= link.failures <= windows and downs(caplog) == 1
 
         daemon.start()  # no call needed: the link retries in the background
         # No call waited past its deadline (0.5 s, plus slack for a loaded machine) for the
@@ -225,7 +227,7 @@ def test_links_shared_by_threads_through_restarts_read_only_right_bytes(tmp_path
             time.sleep(0.5)
             daemon.start()
             back = time.monotonic()
-            deadline = back + 15.0
+            deadline = back + 60.0  # long: a loaded machine reconnects late, not never
             while any(last_ok.get(id(link), 0.0) < back for link in schedulers + workers):
                 assert time.monotonic() < deadline, f"a link did not come back: {tally}"
                 time.sleep(0.05)
