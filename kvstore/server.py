@@ -29,6 +29,7 @@ import hmac
 import logging
 import secrets
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore.budget import THREAD_SWITCH_S
 from kvstore.config import (
     TIER_SECTIONS,
     AuthConfig,
@@ -401,6 +403,7 @@ async def _serve_claimed(
                 asyncio.get_running_loop(),
                 running.rpcs,
             )
+        sys.setswitchinterval(THREAD_SWITCH_S)  # a worker thread hands the loop the GIL soon
         frozen = collector.freeze()
         log.info("garbage collector: %d start-up objects frozen out of full collections", frozen)
         try:
