@@ -54,23 +54,25 @@ V = TypeVar("V")
 
 
 def untrack(obj: object) -> None:
-    """Hides ``obj`` from the collector (see the module docstring for when that is safe)."""
-    if _UNTRACK is not None and _is_tracked(obj):
+    """Hides ``obj`` from the collector (see the module docstring for when that is safe).
+    No collection runs between the call and the untracking: the C call allocates its
+    argument tuple, which could start one while ``obj`` (a dict just added to) is tracked."""
+    if _UNTRACK is None or not _is_tracked(obj):
+        return
+    if not _gc_enabled():
         _UNTRACK(obj)
+        return
+    _gc_disable()
+    try:
+        _UNTRACK(obj)
+    finally:
+        _gc_enable()
 
 
 def insert(mapping: dict[K, V], key: K, value: V) -> None:
     """``mapping[key] = value``, ``mapping`` left untracked (see the module docstring)."""
     mapping[key] = value
-    if _UNTRACK is not None and _is_tracked(mapping):
-        if _gc_enabled():  # the call allocates its argument tuple: no collection meanwhile
-            _gc_disable()
-            try:
-                _UNTRACK(mapping)
-            finally:
-                _gc_enable()
-        else:
-            _UNTRACK(mapping)
+    untrack(mapping)
 
 
 def freeze() -> int:
