@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstore.blocks import BlockLayout
 from kvstore.errors import InvalidBlockError, InvalidRequestError
@@ -17,6 +18,7 @@ __all__ = [
     "KEY_BYTES",
     "MAX_KEYS",
     "BlockSpec",
+    "Spec",
     "check_count",
     "check_key",
     "check_keys",
@@ -36,6 +38,20 @@ class BlockSpec:
     num_tokens: int
 
 
+class Spec(Protocol):
+    """What a block's spec is read for: a :class:`BlockSpec`, or the wire's message with the
+    same three fields (a 512-block Reserve does not build 512 objects to read them once)."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def parent(self) -> bytes: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
 def check_count(what: str, count: int) -> None:
     if count > MAX_KEYS:
         raise InvalidRequestError(f"{count} {what} in one call; at most {MAX_KEYS}")
@@ -53,7 +69,7 @@ def check_keys(keys: Sequence[bytes]) -> None:
             check_key(f"keys[{keys.index(key)}]", key)
 
 
-def check_spec(name: str, spec: BlockSpec, layout: BlockLayout) -> None:
+def check_spec(name: str, spec: Spec, layout: BlockLayout) -> None:
     """Checks a block's key, parent and token count against ``layout``.
 
     Raises:

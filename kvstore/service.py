@@ -49,6 +49,7 @@ from kvstore.checks import (
     KEY_BYTES,
     MAX_KEYS,
     BlockSpec,
+    Spec,
     check_count,
     check_key,
     check_keys,
@@ -380,7 +381,7 @@ class KVStoreService:
     async def reserve(
         self,
         namespace: bytes,
-        blocks: Sequence[BlockSpec],
+        blocks: Sequence[Spec],
         *,
         tenant: str | None = None,
         session: bytes = b"",
@@ -411,7 +412,8 @@ class KVStoreService:
         reaped = False
         budget = LoopBudget()  # 512 blocks are ~10 ms of work: others' calls run between
         for spec in blocks:
-            block = spec.key + namespace
+            key = spec.key  # a wire message makes a new bytes object at each read
+            block = key + namespace
             if block in writer.slots:  # named twice: this session writes it
                 items.append(Reserved(PutStatus.DEDUP))
                 continue
@@ -425,7 +427,7 @@ class KVStoreService:
                 break
             # No await when the arena has room: no reap can run meanwhile.
             try:
-                reserved = store.reserve_now(spec.key, spec.parent, meta, ttl, owner=writer.id)
+                reserved = store.reserve_now(key, spec.parent, meta, ttl, owner=writer.id)
             except BaseException:
                 writer.give(block)
                 raise
@@ -440,7 +442,7 @@ class KVStoreService:
         return Reservations(tuple(items), ttl)
 
     async def _reserve_one(
-        self, spec: BlockSpec, meta: BlockMeta, writer: Session, staging: Slot, ttl: float
+        self, spec: Spec, meta: BlockMeta, writer: Session, staging: Slot, ttl: float
     ) -> Reserved:
         block = spec.key + meta.namespace
         writer.reserving.add(block)  # its staging slot is taken: no reap may free it
@@ -501,17 +503,22 @@ class KVStoreService:
         self, namespace: bytes, keys: Sequence[bytes], writer: Session, sums: Sequence[int]
     ) -> list[PutStatus]:
         staged = [writer.slots.get(key + namespace) for key in keys]
-        with contextlib.ExitStack() as views:
-            writes = [
-                Commit(key, namespace, writer.id, views.enter_context(writer.view(slot)), total)
-                for key, slot, total in zip(keys, staged, sums, strict=True)
-                if slot is not None
-            ]
-            try:
-                found = iter(await self._store.commit_many(writes))
-            finally:
-                for key in keys:
-                    writer.give(key + namespace)
+        live = [(key, slot, total) for key, slot, total in zip(keys, staged, sums, strict=True)
+                if slot is not None]  # fmt: skip
+        views = writer.views([slot for _, slot, _ in live])
+        budget = LoopBudget()  # every per-block pass yields: 512 Commit objects are ~1 ms
+        try:
+            writes: list[Commit] = []
+            for (key, _, total), view in zip(live, views, strict=True):
+                writes.append(Commit(key, namespace, writer.id, view, total))
+                await budget.tick()
+            found = iter(await self._store.commit_many(writes))
+        finally:  # shielded (finish_anyway): the copies have ended, the yields are safe
+            for view in views:
+                view.release()
+            for key in keys:
+                writer.give(key + namespace)
+                await budget.tick()
         return [PutStatus.EXPIRED if slot is None else next(found) for slot in staged]
 
     async def abort(

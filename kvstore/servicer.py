@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore import __version__, chunks
 from kvstore.blocks import BlockLayout
+from kvstore.budget import LoopBudget
 from kvstore.checks import BlockSpec, check_spec
 from kvstore.chunks import GetChunk
 from kvstore.errors import (
@@ -238,16 +239,17 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Reserve(self, request: object, context: Context) -> pb.ReserveResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.ReserveRequest)
-            specs = [BlockSpec(b.key, b.parent, b.num_tokens) for b in request.blocks]
-            reserved = await self._service.reserve(
-                request.namespace, specs, tenant=tenant, session=request.session
+            reserved = await self._service.reserve(  # the messages are the specs: no copies
+                request.namespace, request.blocks, tenant=tenant, session=request.session
             )
             reply = pb.ReserveResponse(expires_in=reserved.expires_in)
             add = reply.reservations.add
+            budget = LoopBudget()  # 512 answers are ~1 ms
             for r in reserved.items:  # built in place: a third of the cost of new messages
                 answer = add(status=_WRITE_STATUS[r.status])
                 if r.slot:
                     answer.slot.offset, answer.slot.length = r.slot.offset, r.slot.length
+                await budget.tick()
             return reply
 
     async def Commit(self, request: object, context: Context) -> pb.CommitResponse:

@@ -30,7 +30,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from kvstore.errors import (
@@ -112,12 +112,13 @@ class Session:
         if slot is not None:
             self._allocator.free(slot)
 
-    def view(self, slot: Slot) -> memoryview:
-        """A read-only view of a staging slot (the client writes it; the daemon copies it)."""
+    def views(self, slots: Sequence[Slot]) -> list[memoryview]:
+        """Views of staging slots (the client writes them; the daemon copies them); release
+        every one of them."""
         if self._map is None:
             raise UnknownSessionError("the shm session is closed")
         with memoryview(self._map) as whole:
-            return whole[slot.offset : slot.end]
+            return [whole[slot.offset : slot.end] for slot in slots]
 
     def close(self) -> None:
         """Unmaps the staging area (a copy still reading it keeps it until it is done)."""
