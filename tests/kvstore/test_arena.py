@@ -540,3 +540,53 @@ async def test_a_parent_whose_demotion_fails_is_kept(tmp_path: Path) -> None:
         assert (await store.lookup([a0, a1], NS_A)).num_blocks == 2
         for lease in leases:
             await store.release(lease.lease_id)
+
+
+@pytest.mark.parametrize(("block_tokens", "count", "threads"), [(16, 128, 0), (256, 8, 1)])
+async def test_small_blocks_are_summed_on_the_loop_and_large_ones_in_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_tokens: int, count: int, threads: int
+) -> None:
+    """A 2 MiB commit of 16 KiB blocks is copied and summed on the loop, between other
+    callbacks (in a thread, its per-block Python held the GIL nearly throughout); one of
+    256 KiB blocks goes to one worker thread. Either way every byte lands and is summed."""
+    import kvstore.arena as arena_module
+    from kvstore.arena import Commit
+
+    layout = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=block_tokens, head_dim=64,
+                         dtype="float16")  # fmt: skip
+    size = layout.payload_bytes
+    offloaded: list[int] = []
+    real_offload = arena_module.offload
+
+    async def counting_offload(nbytes: int, fn: object, *args: object) -> object:
+        offloaded.append(nbytes)
+        return await real_offload(nbytes, fn, *args)
+
+    monkeypatch.setattr(arena_module, "offload", counting_offload)
+    monkeypatch.setattr(LoopBudget.__init__, "__defaults__", (0.0,))
+    host = HostTier(count * size)
+    store = BlockStore([StoreTier(host, None, write_policy("write_through", 1))],
+                       eviction=LruPolicy(), high_watermark=1.0, low_watermark=0.5)  # fmt: skip
+    async with store:
+        meta = BlockMeta(NS_A, block_tokens, layout)
+        chain = [(k, p, hashlib.shake_256(k).digest(size)) for k, p, _ in blocks("s", count)]
+        for key, parent, _ in chain:
+            assert (await store.reserve(key, parent, meta)).status is PutStatus.RESERVED
+        writes = [Commit(k, NS_A, None, payload, payload_checksum(payload)) for k, _, payload
+                  in chain]  # fmt: skip
+        turns = 0
+        task = asyncio.ensure_future(store.commit_many(writes))
+        while not task.done():
+            turns += 1
+            await asyncio.sleep(0)
+        assert await task == [PutStatus.STORED] * count
+        assert len(offloaded) == threads
+        if not threads:
+            assert turns > count  # other callbacks ran between the blocks' sums
+        acquired = await store.acquire([k for k, _, _ in chain], NS_A)
+        arena = Arena(store)
+        assert [arena.read(s.offset, s.length) for s in acquired.slots] == [
+            payload for _, _, payload in chain
+        ]
+        await store.release(acquired.lease.lease_id)
+        arena.close()
