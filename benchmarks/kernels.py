@@ -30,15 +30,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstore.kernels import (
-    RopeConfig,
+from kvstore.kernels.dispatch import (
     decode_attention,
     kernel_backend,
     load_blocks,
     prefill_attention,
-    rope_tables,
     save_blocks,
 )
+from kvstore.kernels.rope import RopeConfig, rope_tables
 
 GB = 1e9
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.client import ROOT_KEY, KVStoreClient, Namespace, block_keys
 from kvstore.inference_adapter.interfaces import Request
 from kvstore.inference_adapter.loader import (
     LayerLoad,
@@ -56,59 +56,18 @@ from kvstore.inference_adapter.loader import (
     block_pages,
     block_positions,
     page_slots,
-    staging_for,
 )
 from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue, ready_event
-from kvstore.inference_adapter.weights import LlamaConfig
-from kvstore.kernels import RopeTables, save_blocks
+from kvstore.inference_adapter.transfer import staging_for
+from kvstore.kernels.dispatch import save_blocks
+from kvstore.kernels.rope import RopeTables
 from kvstore.kernels.transfer import gather_pages
 
-__all__ = ["ConnectorStats", "StoreConnector", "namespace_for"]
+__all__ = ["ConnectorStats", "StoreConnector"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_S = 5.0  # half the daemon's default lease (server.lease_ttl = 10 s)
-
-
-def namespace_for(
-    config: LlamaConfig,
-    *,
-    model_name: str,
-    block_tokens: int,
-    dtype: torch.dtype | None = None,
-    tenant: str = "",
-) -> Namespace:
-    """The namespace of a Llama model's KV: one fingerprint for the engine and the HF bridge.
-
-    Args:
-        config: The architecture (``engine.config``, or ``LlamaConfig.from_dict`` of a
-            transformers config).
-        model_name: Names the weights alike on every node (a hub id, not a local path).
-        block_tokens: Tokens per block (the engine's ``page_tokens``).
-        dtype: The KV dtype; ``config.dtype`` when None.
-        tenant: The tenant salt.
-    """
-    scaling = config.rope.scaling
-    rope_scaling: tuple[tuple[str, str | float], ...] = ()
-    if scaling is not None:
-        rope_scaling = (
-            ("rope_type", "llama3"),
-            ("factor", scaling.factor),
-            ("low_freq_factor", scaling.low_freq_factor),
-            ("high_freq_factor", scaling.high_freq_factor),
-            ("original_max_position_embeddings", float(scaling.original_max_position_embeddings)),
-        )
-    fingerprint = ModelFingerprint(
-        model_name=model_name,
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        dtype=str(dtype or config.dtype).removeprefix("torch."),
-        block_tokens=block_tokens,
-        rope_theta=config.rope.theta,
-        rope_scaling=rope_scaling,
-    )
-    return Namespace(fingerprint, tenant)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from typing import TextIO
 import torch
 
 from kvstore.client import KVStoreClient, KVStoreError
-from kvstore.inference_adapter.connector import StoreConnector, namespace_for
+from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.gguf import load_gguf_model
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
@@ -48,8 +48,8 @@ from kvstore.inference_adapter.model import LlamaModel
 from kvstore.inference_adapter.models import SMOLLM2, model_path
 from kvstore.inference_adapter.sessions import ByteTokenizer, ChatServer, Turn
 from kvstore.inference_adapter.tokenizer import ChatTokenizer
-from kvstore.inference_adapter.weights import LlamaConfig
-from kvstore.kernels import RopeConfig
+from kvstore.inference_adapter.weights import LlamaConfig, namespace_for
+from kvstore.kernels.rope import RopeConfig
 from kvstore.launch import kvstore_command
 
 __all__ = ["SCRIPT", "add_chat_parser", "main", "run_chat"]

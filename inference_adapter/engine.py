@@ -53,7 +53,7 @@ from kvstore.inference_adapter.pages import (
 )
 from kvstore.inference_adapter.sampling import new_generator, sample
 from kvstore.inference_adapter.weights import LlamaConfig
-from kvstore.kernels import RopeTables
+from kvstore.kernels.rope import RopeTables
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from gguf.quants import dequantize
 
 from kvstore.inference_adapter.model import LlamaModel
 from kvstore.inference_adapter.weights import LlamaConfig
-from kvstore.kernels import UnsupportedRopeScalingError
+from kvstore.kernels.rope import UnsupportedRopeScalingError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 _ROPE_FACTORS = "rope_freqs.weight"

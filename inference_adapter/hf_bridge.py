@@ -28,8 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.generation import utils as generation_utils
 
 from kvstore.client import ROOT_KEY, KVStoreClient, Namespace, block_keys
-from kvstore.inference_adapter.connector import namespace_for
-from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.inference_adapter.weights import LlamaConfig, namespace_for
 
 __all__ = ["KVStoreCache", "generate_with_store", "hf_namespace"]
 

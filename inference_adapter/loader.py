@@ -43,8 +43,9 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace
 from kvstore.client.tensors import HostBlocks
-from kvstore.inference_adapter.transfer import LayerWriter, engine_layers
-from kvstore.kernels import RopeTables, apply_rope, load_blocks
+from kvstore.inference_adapter.transfer import LayerWriter, engine_layers, staging_for
+from kvstore.kernels.dispatch import load_blocks
+from kvstore.kernels.rope import RopeTables, apply_rope
 
 __all__ = [
     "LayerLoad",
@@ -53,7 +54,6 @@ __all__ = [
     "block_positions",
     "move_k",
     "page_slots",
-    "staging_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -119,17 +119,6 @@ def move_k(
     back = apply_rope(k.float(), stored_at, rope, inverse=True)
     moved = apply_rope(back, positions, rope).to(k.dtype)
     return torch.where((stored_at == positions)[..., None], k, moved)
-
-
-def staging_for(
-    namespace: Namespace, num_blocks: int, device: torch.device | str, *, pinned: bool = False
-) -> torch.Tensor:
-    """An empty staging buffer ``[num_blocks, num_layers, 2, block_tokens, kv_heads,
-    head_dim]`` (the stored layout with a block axis); ``pinned``: page-locked host memory."""
-    model = namespace.model
-    shape = (num_blocks, *model.layout().shape)
-    dtype = getattr(torch, model.dtype)
-    return torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)
 
 
 class LayerLoad:

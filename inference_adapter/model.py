@@ -43,16 +43,10 @@ from torch import nn
 
 from kvstore.inference_adapter.pages import AttentionBatch, pages_for, prefill_batch
 from kvstore.inference_adapter.weights import LlamaConfig, read_config, read_weights
-from kvstore.kernels import (
-    RopeTables,
-    accumulates_in_float64,
-    apply_rope,
-    decode_attention,
-    new_kv_pool,
-    prefill_attention,
-    rope_tables,
-    write_tokens,
-)
+from kvstore.kernels.attention import accumulates_in_float64
+from kvstore.kernels.dispatch import decode_attention, prefill_attention
+from kvstore.kernels.paged import new_kv_pool, write_tokens
+from kvstore.kernels.rope import RopeTables, apply_rope, rope_tables
 
 INIT_STD = 0.02  # Hugging Face's default initializer_range
 SCRATCH_PAGE_TOKENS = 16  # page size of the throwaway pool behind ``prompt_logits``

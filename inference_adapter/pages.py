@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.kernels import slot_mapping
+from kvstore.kernels.paged import slot_mapping
 
 
 def pages_for(num_tokens: int, page_tokens: int) -> int:

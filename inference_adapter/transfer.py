@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.client import Namespace
 from kvstore.client.tensors import HostBlocks
 from kvstore.kernels.transfer import DeviceReadable, load_layer
 
-__all__ = ["LayerKV", "LayerWriter", "engine_layers"]
+__all__ = ["LayerKV", "LayerWriter", "engine_layers", "staging_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +118,14 @@ class LayerWriter:
         staged = torch.stack(slices).to(device).view(-1)
         offsets = torch.arange(len(slices), dtype=torch.int64, device=device) * size
         return staged, offsets
+
+
+def staging_for(
+    namespace: Namespace, num_blocks: int, device: torch.device | str, *, pinned: bool = False
+) -> torch.Tensor:
+    """An empty staging buffer ``[num_blocks, num_layers, 2, block_tokens, kv_heads,
+    head_dim]`` (the stored layout with a block axis); ``pinned``: page-locked host memory."""
+    model = namespace.model
+    shape = (num_blocks, *model.layout().shape)
+    dtype = getattr(torch, model.dtype)
+    return torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)

@@ -4,7 +4,7 @@ Reads the Hugging Face layout from a local folder, nothing from the network:
 
 - ``LlamaConfig.from_dict`` / ``read_config(folder)``: the sizes the model and the KV pool
   need, from a ``config.json`` in the transformers 4 or 5 spelling. RoPE parameters go
-  through ``kvstore.kernels.RopeConfig``, so a scaling type the kernels do not compute
+  through ``kvstore.kernels.rope.RopeConfig``, so a scaling type the kernels do not compute
   (anything but default and llama3) is refused with ``UnsupportedRopeScalingError``.
 - ``weight_files(folder)``: the ``*.safetensors`` files, following
   ``model.safetensors.index.json`` when the checkpoint is sharded.
@@ -24,7 +24,8 @@ from typing import TypeVar
 import torch
 from safetensors import safe_open
 
-from kvstore.kernels import RopeConfig
+from kvstore.client import ModelFingerprint, Namespace
+from kvstore.kernels.rope import RopeConfig
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -174,3 +175,44 @@ def _dtype(config: Mapping[str, object]) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[str(name)]
+
+
+def namespace_for(
+    config: LlamaConfig,
+    *,
+    model_name: str,
+    block_tokens: int,
+    dtype: torch.dtype | None = None,
+    tenant: str = "",
+) -> Namespace:
+    """The namespace of a Llama model's KV: one fingerprint for the engine and the HF bridge.
+
+    Args:
+        config: The architecture (``engine.config``, or ``LlamaConfig.from_dict`` of a
+            transformers config).
+        model_name: Names the weights alike on every node (a hub id, not a local path).
+        block_tokens: Tokens per block (the engine's ``page_tokens``).
+        dtype: The KV dtype; ``config.dtype`` when None.
+        tenant: The tenant salt.
+    """
+    scaling = config.rope.scaling
+    rope_scaling: tuple[tuple[str, str | float], ...] = ()
+    if scaling is not None:
+        rope_scaling = (
+            ("rope_type", "llama3"),
+            ("factor", scaling.factor),
+            ("low_freq_factor", scaling.low_freq_factor),
+            ("high_freq_factor", scaling.high_freq_factor),
+            ("original_max_position_embeddings", float(scaling.original_max_position_embeddings)),
+        )
+    fingerprint = ModelFingerprint(
+        model_name=model_name,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=str(dtype or config.dtype).removeprefix("torch."),
+        block_tokens=block_tokens,
+        rope_theta=config.rope.theta,
+        rope_scaling=rope_scaling,
+    )
+    return Namespace(fingerprint, tenant)

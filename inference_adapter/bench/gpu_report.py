@@ -16,7 +16,7 @@ import triton
 
 from kvstore.inference_adapter.bench.bandwidth import NAMES, Limits
 from kvstore.inference_adapter.model import LlamaModel, uses_dense_prefill
-from kvstore.kernels import kernel_backend
+from kvstore.kernels.dispatch import kernel_backend
 
 __all__ = ["describe_setup", "render"]
 

@@ -25,10 +25,11 @@ from kvstore.client import KVStoreClient, block_keys
 from kvstore.inference_adapter.bench.bandwidth import Limits, synchronize
 from kvstore.inference_adapter.bench.gpu_models import TappedModel
 from kvstore.inference_adapter.bench.replay import BenchmarkError
-from kvstore.inference_adapter.connector import StoreConnector, namespace_for
+from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.pages import pages_for
+from kvstore.inference_adapter.weights import namespace_for
 
 __all__ = ["GpuBench", "Run", "TimedConnector"]
 

@@ -38,7 +38,7 @@ from kvstore.inference_adapter.bench.workloads import (
 )
 from kvstore.inference_adapter.model import LlamaModel
 from kvstore.inference_adapter.weights import LlamaConfig
-from kvstore.kernels import RopeConfig
+from kvstore.kernels.rope import RopeConfig
 from kvstore.policies import EVICTION_POLICIES
 
 __all__ = [

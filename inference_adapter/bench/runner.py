@@ -40,10 +40,11 @@ from kvstore.inference_adapter.bench.replay import (
     check_same_outputs,
 )
 from kvstore.inference_adapter.bench.workloads import Workload
-from kvstore.inference_adapter.connector import ConnectorStats, StoreConnector, namespace_for
+from kvstore.inference_adapter.connector import ConnectorStats, StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.sessions import ChatSession
+from kvstore.inference_adapter.weights import namespace_for
 
 __all__ = ["ChatBench", "ModeRun", "NodesRun", "StoreReport"]
 

@@ -52,7 +52,7 @@ from kvstore.inference_adapter.bench.daemon import MIB, TierSetup, running_store
 from kvstore.inference_adapter.bench.replay import BenchmarkError
 from kvstore.inference_adapter.bench.report import percentile, table
 from kvstore.inference_adapter.bench.runner import progress
-from kvstore.inference_adapter.connector import StoreConnector, namespace_for
+from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.gguf import load_gguf_model
 from kvstore.inference_adapter.interfaces import Request, ReusedBlock, SamplingParams
@@ -60,6 +60,7 @@ from kvstore.inference_adapter.model import LlamaModel
 from kvstore.inference_adapter.models import model_path
 from kvstore.inference_adapter.sessions import TurnPlan, plan_turn
 from kvstore.inference_adapter.tokenizer import ChatTokenizer
+from kvstore.inference_adapter.weights import namespace_for
 
 __all__ = ["SIZES", "Event", "Result", "Size", "Summary", "TruncationBench", "main", "naive_plan"]
 __all__ += ["num_truncations", "perplexity", "plan_at", "reply_nll", "run_bench", "summarize"]

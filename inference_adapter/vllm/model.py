@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.client import Namespace
-from kvstore.inference_adapter.connector import namespace_for
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
-from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.inference_adapter.weights import LlamaConfig, namespace_for
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "model_namespace"]
 

@@ -47,9 +47,8 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace, WriteStatus
 from kvstore.client.tensors import HostBlocks
-from kvstore.inference_adapter.loader import staging_for
 from kvstore.inference_adapter.saver import SaveJob, SaveQueue
-from kvstore.inference_adapter.transfer import LayerKV, LayerWriter
+from kvstore.inference_adapter.transfer import LayerKV, LayerWriter, staging_for
 from kvstore.inference_adapter.vllm.layout import gather
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan

@@ -24,12 +24,12 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace, block_keys
 from kvstore.inference_adapter import transfer
-from kvstore.inference_adapter.connector import StoreConnector, namespace_for
+from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.model import LlamaModel, load_model
 from kvstore.inference_adapter.sessions import ChatServer
-from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.inference_adapter.weights import LlamaConfig, namespace_for
 from tests.inference_adapter.conftest import hf_model, tiny_config
 from tests.support.daemon import Daemon, running_daemon, scrape
 from tests.support.net import free_port

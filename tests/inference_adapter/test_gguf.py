@@ -15,7 +15,7 @@ import torch
 from kvstore.inference_adapter import Engine, LlamaConfig, LlamaModel, Request, SamplingParams
 from kvstore.inference_adapter.gguf import load_gguf_model, read_gguf_config, read_gguf_weights
 from kvstore.inference_adapter.tokenizer import ChatTokenizer
-from kvstore.kernels import RopeConfig, UnsupportedRopeScalingError
+from kvstore.kernels.rope import RopeConfig, UnsupportedRopeScalingError
 from tests.inference_adapter.conftest import hf_model, tiny_config, transformers
 from tests.inference_adapter.gguf_files import finish, llama_cpp_tensors, llama_writer
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient, UnavailableError, WriteStatus
-from kvstore.inference_adapter.connector import namespace_for
 from kvstore.inference_adapter.hf_bridge import KVStoreCache, generate_with_store, hf_namespace
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
+from kvstore.inference_adapter.weights import namespace_for
 from tests.inference_adapter.test_connector import (
     MESSAGES,
     PAGE,

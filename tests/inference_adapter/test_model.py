@@ -21,7 +21,8 @@ from kvstore.inference_adapter import model as model_module
 from kvstore.inference_adapter.model import SCRATCH_PAGE_TOKENS
 from kvstore.inference_adapter.pages import AttentionBatch, decode_batch, pages_for, prefill_batch
 from kvstore.inference_adapter.weights import weight_files
-from kvstore.kernels import Llama3Scaling, RopeConfig, UnsupportedRopeScalingError, slot_mapping
+from kvstore.kernels.paged import slot_mapping
+from kvstore.kernels.rope import Llama3Scaling, RopeConfig, UnsupportedRopeScalingError
 from tests.inference_adapter.conftest import hf_model, save_tiny_model, tiny_config
 
 PROMPT = torch.randint(0, 192, (40,), generator=torch.Generator().manual_seed(3))

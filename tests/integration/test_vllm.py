@@ -27,10 +27,11 @@ import torch
 
 from kvstore.client import KVStoreClient, block_keys
 from kvstore.inference_adapter.bench.vllm_chat import ChatShape, chat_turns, write_model
-from kvstore.inference_adapter.connector import StoreConnector, namespace_for
+from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.model import load_model
+from kvstore.inference_adapter.weights import namespace_for
 from kvstore.launch import module_command
 from tests.support.daemon import Daemon
 

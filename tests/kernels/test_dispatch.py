@@ -7,7 +7,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvstore import kernels
 from kvstore.kernels import dispatch
 from kvstore.kernels.rope import RopeConfig, rope_tables
 from tests.kernels.cases import paged_batch
@@ -32,22 +31,22 @@ def test_backend_follows_the_switch(
 ) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if mode is None:
-        monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+        monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
     else:
-        monkeypatch.setenv(kernels.KERNELS_ENV, mode)
-    assert kernels.kernel_backend(device) == expected
+        monkeypatch.setenv(dispatch.KERNELS_ENV, mode)
+    assert dispatch.kernel_backend(device) == expected
 
 
 def test_bad_switch_values_and_triton_without_a_gpu_are_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(kernels.KERNELS_ENV, "cuda")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "cuda")
     with pytest.raises(ValueError, match="KVSTORE_KERNELS must be one of auto, triton, torch"):
-        kernels.kernel_backend(CPU)
-    monkeypatch.setenv(kernels.KERNELS_ENV, "triton")
+        dispatch.kernel_backend(CPU)
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="needs the Triton interpreter"):
-        kernels.kernel_backend(CPU)
+        dispatch.kernel_backend(CPU)
 
 
 def recording(impl: Callable[..., object], name: str, calls: list[str]) -> Callable[..., object]:
@@ -62,7 +61,7 @@ def recording(impl: Callable[..., object], name: str, calls: list[str]) -> Calla
 def test_every_entry_point_runs_the_chosen_implementation(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(kernels.KERNELS_ENV, mode)
+    monkeypatch.setenv(dispatch.KERNELS_ENV, mode)
     called: list[str] = []
     names = ["prefill_attention", "decode_attention", "load_blocks", "save_blocks"]
     for name in names:
@@ -79,13 +78,13 @@ def test_every_entry_point_runs_the_chosen_implementation(
         dtype=torch.float32,
     )
     args = (batch.k_cache, batch.v_cache)
-    kernels.prefill_attention(
+    dispatch.prefill_attention(
         batch.q, *args, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, max_query_len=1
     )
-    kernels.decode_attention(batch.q, *args, batch.seq_lens, batch.block_tables)
+    dispatch.decode_attention(batch.q, *args, batch.seq_lens, batch.block_tables)
     staging = torch.zeros(1, 1, 2, 4, 1, 16, device=batch.q.device)
     slots = torch.arange(4, device=batch.q.device)[None]
     rope = rope_tables(RopeConfig(16), 8, batch.q.device)
-    kernels.load_blocks(staging, batch.kv_pool, slots, slots, rope)
-    kernels.save_blocks(batch.kv_pool, staging, slots, slots, rope)
+    dispatch.load_blocks(staging, batch.kv_pool, slots, slots, rope)
+    dispatch.save_blocks(batch.kv_pool, staging, slots, slots, rope)
     assert called == [f"{name}_{mode}" for name in names]

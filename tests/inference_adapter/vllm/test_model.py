@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 
 from kvstore.inference_adapter.bench.vllm_chat import MODEL_SIZES
-from kvstore.inference_adapter.connector import namespace_for
 from kvstore.inference_adapter.vllm.model import model_namespace
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
-from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.inference_adapter.weights import LlamaConfig, namespace_for
 
 LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
