@@ -27,7 +27,7 @@ The daemon sets ``THREAD_SWITCH_S`` at start.
 from __future__ import annotations
 
 import asyncio
-import time
+from time import perf_counter
 
 __all__ = ["SLICE_S", "THREAD_SWITCH_S", "YIELD_TURNS", "LoopBudget"]
 
@@ -55,14 +55,14 @@ class LoopBudget:
     def __init__(self, slice_s: float = SLICE_S) -> None:
         self._slice = slice_s
         self._opened = False
-        if time.perf_counter() >= _slice[0] + slice_s:  # no long work ran lately: start one
+        if perf_counter() >= _slice[0] + slice_s:  # no long work ran lately: start one
             self._open()
         # else it joins the slice in progress, or, when another call spent it, sits out
         # turns at its first tick
 
     async def tick(self) -> None:
         """Yields when the turn's slice has run out (a perf_counter read otherwise)."""
-        if time.perf_counter() < _slice[0]:
+        if perf_counter() < _slice[0]:
             return
         seen = _slice[1]
         # The budget that opened the slice sits out one turn more, so that another one in
@@ -74,7 +74,7 @@ class LoopBudget:
             self._open()
 
     def _open(self) -> None:
-        _slice[0] = time.perf_counter() + self._slice
+        _slice[0] = perf_counter() + self._slice
         _slice[1] += 1
         self._opened = True
 

@@ -27,7 +27,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(budget_module.time, "perf_counter", fake)
+    monkeypatch.setattr(budget_module, "perf_counter", fake)  # this module's clock only
     monkeypatch.setattr(budget_module, "_slice", [float("-inf"), 0])
     return fake
 
