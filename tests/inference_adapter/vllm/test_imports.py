@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = Path(os.environ.get("KVSTORE_VLLM_PYTHON", ROOT / "build/vllm-venv/bin/python"))
+# A relative path (make test passes one) is the checkout's; not resolved: a venv's python is a link.
+VLLM_PYTHON = ROOT / os.environ.get("KVSTORE_VLLM_PYTHON", "build/vllm-venv/bin/python")
 
 # Our modules a vLLM server never runs: the demo engine and its model, chat, pages and
 # connector, the GGUF and tokenizer readers, and every kernel but the KV transfer and RoPE.
