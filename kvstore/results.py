@@ -6,9 +6,11 @@ import enum
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvstore.index import BlockMeta
-from kvstore.tiers.allocator import Slot
+if TYPE_CHECKING:  # annotations only: the client reads these values without the daemon's index
+    from kvstore.index import BlockMeta
+    from kvstore.tiers.allocator import Slot
 
 
 class PutStatus(enum.Enum):
