@@ -73,7 +73,7 @@ TYPECHECK_TREE := build/typecheck
 typecheck: install
 	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/kvstore
 	ln -s $(CURDIR)/kvstore/*.py $(CURDIR)/kvstore/py.typed $(TYPECHECK_TREE)/kvstore/
-	for d in tiers client protos kernels inference_adapter; do \
+	for d in wire tiers client protos kernels inference_adapter; do \
 		ln -s $(CURDIR)/$$d $(TYPECHECK_TREE)/kvstore/$$d; done
 	MYPYPATH=$(TYPECHECK_TREE) $(VENV)/bin/mypy -p kvstore
 

@@ -57,11 +57,11 @@ import grpc
 import torch
 import uvloop
 
-from kvstore.blocks import payload_checksum
 from kvstore.client import AsyncKVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
 from kvstore.config import load_config
 from kvstore.launch import kvstore_command
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.blocks import payload_checksum
 
 from .raw_grpc import RawClient, child, raw_server_command, serving
 from .tiers import (

@@ -60,7 +60,7 @@ fi
 TREE=$BUILD/gpu-tree
 rm -rf "$TREE" && mkdir -p "$TREE/kvstore"
 ln -s "$PWD"/kvstore/*.py "$PWD"/kvstore/py.typed "$TREE/kvstore/"
-for d in tiers client protos kernels inference_adapter; do ln -s "$PWD/$d" "$TREE/kvstore/$d"; done
+for d in wire tiers client protos kernels inference_adapter; do ln -s "$PWD/$d" "$TREE/kvstore/$d"; done
 ln -s "$PWD/benchmarks" "$TREE/"
 export PYTHONPATH="$TREE${SITE:+:$SITE}"
 

@@ -51,7 +51,6 @@ from pathlib import Path
 
 import uvloop
 
-from kvstore.blocks import ROOT_KEY, BlockLayout, Codec
 from kvstore.index import BlockMeta
 from kvstore.inference_adapter.bench.sharegpt import dataset_path, sample_conversations
 from kvstore.inference_adapter.bench.workloads import (
@@ -64,6 +63,7 @@ from kvstore.policies import EvictionPolicy, LruPolicy, eviction_policy, write_p
 from kvstore.store import BlockStore, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
+from kvstore.wire.blocks import ROOT_KEY, BlockLayout, Codec
 
 from .daemon import percentiles_ms
 

@@ -69,7 +69,6 @@ import numpy
 import torch
 import uvloop
 
-from kvstore.blocks import BlockLayout
 from kvstore.client import AsyncKVStoreClient, WriteStatus
 from kvstore.defaults import tune_allocator
 from kvstore.index import BlockMeta
@@ -77,6 +76,7 @@ from kvstore.policies import eviction_policy, write_policy
 from kvstore.store import Block, BlockStore, StoreTier
 from kvstore.tiers import collector
 from kvstore.tiers.host import HostTier
+from kvstore.wire.blocks import BlockLayout
 
 from .daemon import Chain, Timed, clocked, model_for, paired, percentiles_ms, raw_ops, servers
 from .raw_grpc import RawClient

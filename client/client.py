@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Literal, Self, overload
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.blocks import ROOT_KEY
 from kvstore.client import transfer, wire
 from kvstore.client.connection import Connection
 from kvstore.client.errors import TRANSIENT, error_from_rpc
 from kvstore.client.shm import Arena, Payload, TargetT, check_payloads, require_torch
 from kvstore.client.wire import LookupResult, ServerInfo, Slots, Stats, WriteStatus
-from kvstore.namespace import Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.blocks import ROOT_KEY
+from kvstore.wire.namespace import Namespace
 
 if TYPE_CHECKING:
     import torch

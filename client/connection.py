@@ -31,7 +31,6 @@ from typing import Final, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from kvstore import chunks
 from kvstore.client import wire
 from kvstore.client.errors import (
     TRANSIENT,
@@ -44,10 +43,11 @@ from kvstore.client.errors import (
 )
 from kvstore.client.shm import ShmSession, torch_imported
 from kvstore.client.wire import ServerInfo
-from kvstore.namespace import Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from kvstore.shm_wire import Hello, SessionError
+from kvstore.wire import chunks
+from kvstore.wire.namespace import Namespace
+from kvstore.wire.session import Hello, SessionError
 
 __all__ = ["Connection", "StaleArenaError"]
 
@@ -136,7 +136,7 @@ class Connection:
             self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
         # Get's and Put's chunks are written and read with one copy of their data (not
-        # protobuf's three; see kvstore.chunks).
+        # protobuf's three; see kvstore.wire.chunks).
         self._stub.Get = self._channel.unary_stream(
             f"{SERVICE}/Get",
             request_serializer=pb.GetRequest.SerializeToString,

@@ -22,7 +22,7 @@ same salt (the session that made the KV) finds it.
 Primitives:
 
 - ``ModelFingerprint(...)`` -> ``.digest()``: everything about a model that changes its KV
-  (defined in :mod:`kvstore.namespace`, shared with the daemon).
+  (defined in :mod:`kvstore.wire.namespace`, shared with the daemon).
 - ``Namespace(model, tenant)`` -> ``.digest()``: the fingerprint salted with a tenant.
 - ``KeySalt(salt, from_block)``: marks the approximate part of a chain.
 - ``block_keys(tokens, namespace, salt=None)`` -> one 32-byte key per full block; the tail is
@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from kvstore.blocks import ROOT_KEY
-from kvstore.namespace import ModelFingerprint, Namespace
+from kvstore.wire.blocks import ROOT_KEY
+from kvstore.wire.namespace import ModelFingerprint, Namespace
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """The shared-memory data plane: a session with the daemon, its arena and its staging area.
 
 A co-located client opens a session on the daemon's session socket
-(``HandshakeResponse.shm_socket``; protocol in :mod:`kvstore.shm_wire`) and receives two
+(``HandshakeResponse.shm_socket``; protocol in :mod:`kvstore.wire.session`) and receives two
 memory files:
 
 - its tenant's **arena**, read-only (:class:`Arena`): leased blocks are read in place, by
@@ -44,10 +44,17 @@ from typing import TYPE_CHECKING, TypeAlias, TypeGuard, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.blocks import payload_checksum
 from kvstore.client.errors import CorruptBlockError
-from kvstore.shm_wire import Hello, SessionError, SessionInfo, decode_reply, encode_hello, read_line
-from kvstore.tiers.threads import (
+from kvstore.wire.blocks import payload_checksum
+from kvstore.wire.session import (
+    Hello,
+    SessionError,
+    SessionInfo,
+    decode_reply,
+    encode_hello,
+    read_line,
+)
+from kvstore.wire.threads import (
     COPY_LANES,
     Span,
     copy_spans,

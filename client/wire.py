@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Final, Protocol
 import numpy as np
 import xxhash
 
-from kvstore.checks import BlockSpec
-from kvstore.chunks import GetChunk, PutChunk
 from kvstore.client.errors import CorruptBlockError, ProtocolError
 from kvstore.client.shm import (
     Bytes,
@@ -29,16 +27,17 @@ from kvstore.client.shm import (
     buffer_bytes,
     is_tensor,
 )
-from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.results import LookupResult, TierStats
+from kvstore.wire.blocks import KEY_BYTES, BlockSpec
+from kvstore.wire.chunks import GetChunk, PutChunk
+from kvstore.wire.namespace import ModelFingerprint
+from kvstore.wire.results import LookupResult, TierStats
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["LookupResult", "ServerInfo", "Stats", "TierStats", "WriteStatus"]
 
-KEY_BYTES: Final = 32
 DEFAULT_CHUNK_BYTES: Final = 1 << 20
 
 Slots = list[tuple[int, int]]  # (offset, length) in the arena
@@ -157,7 +156,7 @@ def put_chunks(
 ) -> Iterator[PutChunk]:
     """The Put stream: namespace on the first chunk, a block's spec (and, with
     ``checksums``, its xxh3-64) on its first chunk. Each chunk's data is a view of the
-    block, copied once, into the message (``kvstore.chunks.encode_put``)."""
+    block, copied once, into the message (``kvstore.wire.chunks.encode_put``)."""
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     for number, (spec, block) in enumerate(zip(specs, blocks, strict=True)):
         data = _host_bytes(block).data.cast("B")

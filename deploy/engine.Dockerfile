@@ -12,6 +12,7 @@ RUN groupadd --system --gid 10001 kvstore \
 WORKDIR /src
 COPY pyproject.toml README.md requirements.lock ./
 COPY kvstore kvstore
+COPY wire wire
 COPY tiers tiers
 COPY client client
 COPY protos protos

@@ -21,7 +21,7 @@ Staging buffer. Blocks as the store hands them out, layer-major, one block after
 
     staging: [num_blocks, num_layers, 2 (k|v), block_tokens, num_kv_heads, head_dim]
 
-which is ``kvstore.blocks.BlockLayout``'s raw payload with a leading block axis. Each
+which is ``kvstore.wire.blocks.BlockLayout``'s raw payload with a leading block axis. Each
 ``(block, layer, k|v)`` slab must be C-contiguous; the block, layer and k|v strides are free,
 so ``staging[:, i:i + 1]`` moves one layer. ``block_tokens`` and ``page_tokens`` are
 independent: the copy kernels (``kvstore.kernels.rope``) address the pool by slot.

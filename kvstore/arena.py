@@ -28,16 +28,17 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvstore.blocks import payload_checksum
 from kvstore.budget import LoopBudget
 from kvstore.errors import InvalidBlockError
 from kvstore.index import BlockMeta, Node, RadixIndex, block_id
 from kvstore.leases import LeaseTable
-from kvstore.results import Acquired, Lease, PutStatus, Reserved
+from kvstore.results import Acquired, Lease, Reserved
 from kvstore.tiering import OFFLOAD_BYTES, Placement, StoreTier, offload
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import ArenaHandle, HostTier
+from kvstore.wire.blocks import payload_checksum
+from kvstore.wire.results import PutStatus
 
 log = logging.getLogger(__name__)
 

@@ -8,48 +8,19 @@ that passes costs one plain pass over the keys: a message is built only for a ba
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
-from kvstore.blocks import BlockLayout
 from kvstore.errors import InvalidBlockError, InvalidRequestError
+from kvstore.wire.blocks import KEY_BYTES, BlockLayout, Spec
 
 __all__ = [
-    "KEY_BYTES",
     "MAX_KEYS",
-    "BlockSpec",
-    "Spec",
     "check_count",
     "check_key",
     "check_keys",
     "check_spec",
 ]
 
-KEY_BYTES = 32
 MAX_KEYS = 1 << 16  # per call (a 1M-token prompt in 16-token blocks); 2 MiB of keys
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSpec:
-    """A block a client writes: its key, its parent's key and how many tokens it holds."""
-
-    key: bytes
-    parent: bytes
-    num_tokens: int
-
-
-class Spec(Protocol):
-    """What a block's spec is read for: a :class:`BlockSpec`, or the wire's message with the
-    same three fields (a 512-block Reserve does not build 512 objects to read them once)."""
-
-    @property
-    def key(self) -> bytes: ...
-
-    @property
-    def parent(self) -> bytes: ...
-
-    @property
-    def num_tokens(self) -> int: ...
 
 
 def check_count(what: str, count: int) -> None:

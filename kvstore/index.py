@@ -42,9 +42,9 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstore.blocks import BlockLayout
 from kvstore.errors import InvalidBlockError
 from kvstore.tiers import collector
+from kvstore.wire.blocks import BlockLayout
 
 ID_BYTES = 64
 

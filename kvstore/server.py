@@ -51,7 +51,6 @@ from kvstore.metrics import LoopLag, RpcMetrics, serve_metrics
 from kvstore.service import KVStoreService
 from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
 from kvstore.sessions import SessionServer
-from kvstore.shm_wire import session_path
 from kvstore.sockets import (
     check_tcp_addresses,
     claim_sockets,
@@ -61,6 +60,7 @@ from kvstore.sockets import (
 )
 from kvstore.store import BlockStore
 from kvstore.tiers import collector
+from kvstore.wire.session import session_path
 
 __all__ = ["STATUS_CODES", "Authenticator", "RunningServer", "create_server", "serve"]
 

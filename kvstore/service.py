@@ -43,18 +43,8 @@ from dataclasses import dataclass
 from typing import Self
 
 from kvstore import __version__
-from kvstore.blocks import BlockLayout
 from kvstore.budget import LoopBudget
-from kvstore.checks import (
-    KEY_BYTES,
-    MAX_KEYS,
-    BlockSpec,
-    Spec,
-    check_count,
-    check_key,
-    check_keys,
-    check_spec,
-)
+from kvstore.checks import MAX_KEYS, check_count, check_key, check_keys, check_spec
 from kvstore.config import Config
 from kvstore.errors import (
     InvalidBlockError,
@@ -65,16 +55,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
 )
 from kvstore.index import BlockMeta
-from kvstore.namespace import ModelFingerprint, Namespace
-from kvstore.results import (
-    Acquired,
-    Block,
-    LookupResult,
-    NamespaceUsage,
-    PutStatus,
-    Reserved,
-    StoreStats,
-)
+from kvstore.results import Acquired, Block, Reserved
 from kvstore.sessions import Session, SessionServer
 from kvstore.store import BlockStore, Commit
 from kvstore.streams import ArenaStreams, HeldBlock, Landing
@@ -82,6 +63,9 @@ from kvstore.tasks import finish_anyway
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import HostTier
+from kvstore.wire.blocks import KEY_BYTES, BlockLayout, BlockSpec, Spec
+from kvstore.wire.namespace import ModelFingerprint, Namespace
+from kvstore.wire.results import LookupResult, NamespaceUsage, PutStatus, StoreStats
 
 __all__ = [
     "MAX_KEYS",

@@ -27,11 +27,9 @@ from typing import TypeAlias, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore import __version__, chunks
-from kvstore.blocks import BlockLayout
+from kvstore import __version__
 from kvstore.budget import LoopBudget
-from kvstore.checks import BlockSpec, check_spec
-from kvstore.chunks import GetChunk
+from kvstore.checks import check_spec
 from kvstore.errors import (
     InvalidBlockError,
     InvalidRequestError,
@@ -45,12 +43,15 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UnknownSessionError,
 )
-from kvstore.namespace import ModelFingerprint
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from kvstore.results import PutStatus
 from kvstore.service import KVStoreService
 from kvstore.streams import Landing
+from kvstore.wire import chunks
+from kvstore.wire.blocks import BlockLayout, BlockSpec
+from kvstore.wire.chunks import GetChunk
+from kvstore.wire.namespace import ModelFingerprint
+from kvstore.wire.results import PutStatus
 
 __all__ = ["STATUS_CODES", "KVStoreServicer", "Metadata", "add_to_server", "status_of"]
 
@@ -106,7 +107,7 @@ def _parser(cls: type[M]) -> Callable[[bytes], M | Malformed]:
 
 
 def _put_parser(data: bytes) -> chunks.PutChunk | Malformed:
-    """Put's chunks, their data left in the received message (see kvstore.chunks)."""
+    """Put's chunks, their data left in the received message (see kvstore.wire.chunks)."""
     try:
         return chunks.decode_put(data)
     except ValueError as error:
@@ -138,7 +139,7 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
         handlers[method.name] = kind(
             getattr(servicer, method.name),
             request_deserializer=_put_parser if request is pb.PutChunk else _parser(request),
-            # Get's chunks are written straight from the arena (see kvstore.chunks).
+            # Get's chunks are written straight from the arena (see kvstore.wire.chunks).
             response_serializer=chunks.encode_get
             if reply is pb.GetChunk
             else reply.SerializeToString,

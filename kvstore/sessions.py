@@ -1,5 +1,5 @@
 """Shared-memory sessions: each co-located client's view of its tenant's arena and its own
-staging area, handed over a unix socket (protocol: :mod:`kvstore.shm_wire`).
+staging area, handed over a unix socket (protocol: :mod:`kvstore.wire.session`).
 
 What a session gives a client, and nothing more:
 
@@ -41,7 +41,10 @@ from kvstore.errors import (
     UnauthenticatedError,
     UnknownSessionError,
 )
-from kvstore.shm_wire import (
+from kvstore.sockets import prepare_socket_path, set_access
+from kvstore.store import BlockStore
+from kvstore.tiers.allocator import ArenaAllocator, Slot
+from kvstore.wire.session import (
     MAX_LINE_BYTES,
     SessionError,
     SessionInfo,
@@ -49,9 +52,6 @@ from kvstore.shm_wire import (
     encode_refusal,
     encode_welcome,
 )
-from kvstore.sockets import prepare_socket_path, set_access
-from kvstore.store import BlockStore
-from kvstore.tiers.allocator import ArenaAllocator, Slot
 
 __all__ = ["Session", "SessionServer"]
 

@@ -50,17 +50,7 @@ from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
 from kvstore.index import BlockMeta, Node, RadixIndex, block_id
 from kvstore.leases import LeaseTable
 from kvstore.policies import EvictionPolicy, HintBudget, eviction_policy
-from kvstore.results import (
-    Acquired,
-    Block,
-    Lease,
-    LookupResult,
-    NamespaceUsage,
-    PutStatus,
-    Reserved,
-    StoreStats,
-    TierStats,
-)
+from kvstore.results import Acquired, Block, Lease, Reserved
 from kvstore.tasks import finish_anyway
 from kvstore.tiering import (
     Placement,
@@ -72,6 +62,8 @@ from kvstore.tiering import (
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import ArenaHandle, HostTier
+from kvstore.wire.blocks import KEY_BYTES
+from kvstore.wire.results import LookupResult, NamespaceUsage, PutStatus, StoreStats, TierStats
 
 __all__ = [
     "Acquired",
@@ -88,8 +80,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 FLUSH_PROGRESS_S = 2.0  # a long flush (shutdown) says how far it is this often
-
-KEY_BYTES = 32
 
 
 class BlockStore:

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import UnknownLeaseError
 from kvstore.index import BlockMeta
-from kvstore.results import PutStatus
 from kvstore.store import BlockStore
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.host import HostTier
+from kvstore.wire.results import PutStatus
 
 __all__ = ["ArenaStreams", "HeldBlock", "Landing"]
 

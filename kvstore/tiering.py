@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstore.blocks import (
+from kvstore.budget import LoopBudget
+from kvstore.config import Config
+from kvstore.errors import InvalidBlockError
+from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
+from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
+from kvstore.tiers.base import Buffer, HashedReads, Tier
+from kvstore.wire.blocks import (
     HEADER_PREFIX_BYTES,
     BlockFormatError,
     BlockHeader,
@@ -48,12 +54,6 @@ from kvstore.blocks import (
     header_length,
     payload_checksum,
 )
-from kvstore.budget import LoopBudget
-from kvstore.config import Config
-from kvstore.errors import InvalidBlockError
-from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
-from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
-from kvstore.tiers.base import Buffer, HashedReads, Tier
 
 log = logging.getLogger(__name__)
 

@@ -822,7 +822,7 @@ def test_the_daemon_image_installs_no_torch_and_runs_as_a_user() -> None:
     build = next(stage for stage in stages if any(pip_targets(stage)))
     pyproject = (REPO / "pyproject.toml").read_text()
     folders = set(re.findall(r'^"kvstore[.\w]*" = "(\w+)"$', pyproject, re.MULTILINE))
-    assert folders >= {"kvstore", "tiers", "client", "protos"}
+    assert folders >= {"kvstore", "wire", "tiers", "client", "protos"}
     assert set(copies(build).values()) >= folders | {
         "pyproject.toml",
         "README.md",

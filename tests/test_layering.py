@@ -1,4 +1,4 @@
-"""The layering rule: a package imports only packages below it (ARCHITECTURE.md, Layers)."""
+"""The layering rule: a package imports only the packages below it (ARCHITECTURE.md, Layers)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,30 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Repository folder -> (import name, rank). Higher ranks may import lower ones, not the reverse.
-LAYERS = {
-    "protos": ("kvstore.protos", 0),
-    "kernels": ("kvstore.kernels", 1),
-    "tiers": ("kvstore.tiers", 2),
-    "kvstore": ("kvstore", 3),
-    "client": ("kvstore.client", 4),
-    "inference_adapter": ("kvstore.inference_adapter", 5),
+# Repository folder -> (import name, the folders it may import besides itself). The wire layer
+# is what the daemon and the client share; the client imports it and the protos, never the
+# daemon (``kvstore``, ``tiers``), and nothing but the engine side imports the client.
+LAYERS: dict[str, tuple[str, frozenset[str]]] = {
+    "protos": ("kvstore.protos", frozenset()),
+    "wire": ("kvstore.wire", frozenset()),
+    "kernels": ("kvstore.kernels", frozenset()),
+    "tiers": ("kvstore.tiers", frozenset({"wire"})),
+    "kvstore": ("kvstore", frozenset({"protos", "wire", "kernels", "tiers"})),
+    "client": ("kvstore.client", frozenset({"protos", "wire"})),
+    "inference_adapter": (
+        "kvstore.inference_adapter",
+        frozenset({"protos", "wire", "kernels", "tiers", "kvstore", "client"}),
+    ),
 }
 
 
-def layer_of(module: str) -> int | None:
+def folder_of(module: str) -> str | None:
+    """The repository folder a module lives in, or None outside the project."""
     if module != "kvstore" and not module.startswith("kvstore."):
         return None
-    for name, rank in sorted(LAYERS.values(), key=lambda item: -len(item[0])):
+    for folder, (name, _) in sorted(LAYERS.items(), key=lambda item: -len(item[1][0])):
         if module == name or module.startswith(name + "."):
-            return rank
+            return folder
     return None
 
 
@@ -37,32 +44,38 @@ def imported_modules(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append(node.module)
+            # ``from kvstore import client`` imports kvstore.client, not the daemon's package
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            found += names if node.module == "kvstore" else [node.module]
     return found
 
 
 @pytest.mark.parametrize("folder", sorted(LAYERS))
-def test_packages_import_only_downwards(folder: str) -> None:
-    own_rank = LAYERS[folder][1]
+def test_packages_import_only_the_layers_below_them(folder: str) -> None:
+    allowed = LAYERS[folder][1] | {folder}
     violations = []
     for path in sorted((REPO / folder).rglob("*.py")):
         if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
             continue
         for module in imported_modules(path):
-            rank = layer_of(module)
-            if rank is not None and rank > own_rank:
+            found = folder_of(module)
+            if found is not None and found not in allowed:
                 violations.append(f"{path.relative_to(REPO)} imports {module}")
     assert violations == []
 
 
 def test_rule_detects_an_upward_import() -> None:
-    assert layer_of("kvstore.client.keys") == 4
-    assert layer_of("kvstore.store") == 3
-    assert layer_of("kvstore.tiers.host") == 2
-    assert layer_of("numpy") is None
+    assert folder_of("kvstore.client.keys") == "client"
+    assert folder_of("kvstore.store") == "kvstore"
+    assert folder_of("kvstore.tiers.host") == "tiers"
+    assert folder_of("kvstore.wire.blocks") == "wire"
+    assert folder_of("numpy") is None
+    assert "kvstore" not in LAYERS["client"][1]  # the client never imports the daemon
+    assert "tiers" not in LAYERS["client"][1]
+    assert "client" not in LAYERS["kvstore"][1]  # nor the daemon the client
 
 
-@pytest.mark.parametrize("generic", ["tiers", "client", "kernels", "protos", "inference_adapter"])
+@pytest.mark.parametrize("generic", sorted(set(LAYERS) - {"kvstore"}))
 def test_no_generic_top_level_names_are_installed(generic: str, tmp_path: Path) -> None:
     """What the install puts on sys.path, seen by a fresh interpreter outside the checkout
     (this process may have the checkout root last on sys.path: tests/support/benchmarks.py)."""

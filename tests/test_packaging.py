@@ -24,7 +24,7 @@ from kvstore.launch import kvstore_command
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "support" / "torchless.py"
 BLOCKER = REPO / "tests" / "support" / "no_torch"
-PACKAGE_FOLDERS = ["kvstore", "tiers", "client", "protos", "kernels", "inference_adapter"]
+PACKAGE_FOLDERS = ["kvstore", "wire", "tiers", "client", "protos", "kernels", "inference_adapter"]
 
 
 def run(command: list[str | Path], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:

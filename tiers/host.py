@@ -62,6 +62,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvstore.wire.threads import pread_exactly, run_to_completion
+
 from . import collector
 from .allocator import ArenaAllocator, Slot
 from .base import (
@@ -73,7 +75,6 @@ from .base import (
     check_key,
     check_range,
 )
-from .threads import pread_exactly, run_to_completion
 
 # Below this a copy runs inline: at memcpy speed it takes < 0.5 ms, less than handing it to a
 # worker thread and waking the loop again costs on a busy machine.

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.blocks import payload_checksum
 from kvstore.client.errors import CorruptBlockError
 from kvstore.client.shm import (
     COPY_IN_THREAD_BYTES,
@@ -21,6 +20,7 @@ from kvstore.client.shm import (
     as_bytes,
     check_payloads,
 )
+from kvstore.wire.blocks import payload_checksum
 
 AREA_BYTES = 8 * COPY_IN_THREAD_BYTES
 

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 import torch
 
-from kvstore.chunks import encode_put
 from kvstore.client import ModelFingerprint, Namespace, ProtocolError, WriteStatus, wire
 from kvstore.client.shm import Arena
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.servicer import _fingerprint
+from kvstore.wire.chunks import encode_put
 
 KEY = bytes(range(32))
 

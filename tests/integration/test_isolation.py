@@ -31,7 +31,7 @@ from kvstore.client.wire import fingerprint_message
 from kvstore.launch import kvstore_command
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from kvstore.shm_wire import Hello
+from kvstore.wire.session import Hello
 from tests.support.daemon import running_daemon
 
 MODEL = ModelFingerprint("isolation", 2, 2, 64, "float16", block_tokens=16)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.blocks import ROOT_KEY, BlockLayout, Codec, payload_checksum
 from kvstore.budget import LoopBudget
 from kvstore.errors import InvalidBlockError, NoArenaError, UnknownLeaseError
 from kvstore.index import BlockMeta
@@ -25,6 +24,7 @@ from kvstore.policies import (
 from kvstore.store import BlockStore, PutStatus, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
+from kvstore.wire.blocks import ROOT_KEY, BlockLayout, Codec, payload_checksum
 from tests.support.prefault import StalledPrefault
 
 LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=16, head_dim=64, dtype="float16")

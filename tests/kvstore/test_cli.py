@@ -18,17 +18,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstore.blocks import ROOT_KEY
 from kvstore.cli import format_stats, main, serve_config
 from kvstore.client import KVStoreClient
 from kvstore.client.keys import block_keys
 from kvstore.config import Config, HostConfig, SsdConfig
 from kvstore.defaults import auto_host_capacity, host_capacity, host_default, meminfo_bytes
 from kvstore.launch import kvstore_command
-from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.store import BlockStore
+from kvstore.wire.blocks import ROOT_KEY
+from kvstore.wire.namespace import ModelFingerprint, Namespace
 from tests.support.daemon import Daemon, running_daemon
 from tests.support.net import free_port, self_signed
 

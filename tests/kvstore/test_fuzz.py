@@ -45,10 +45,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.blocks import ROOT_KEY
 from kvstore.client.wire import fingerprint_message
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.wire.blocks import ROOT_KEY
 from tests.support.daemon import running_daemon
 
 # The helpers' asserts report as the tests' own do: rewritten, so registered before the import.

@@ -12,9 +12,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.blocks import BlockLayout
 from kvstore.errors import InvalidBlockError
 from kvstore.index import BlockMeta, Node, RadixIndex
+from kvstore.wire.blocks import BlockLayout
 from tests.support.leaves import children_in, tier_leaves
 from tests.support.young import biggest_young_dict
 

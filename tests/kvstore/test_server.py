@@ -25,7 +25,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import server as server_module
-from kvstore.blocks import ROOT_KEY, payload_checksum
 from kvstore.client.keys import block_keys
 from kvstore.client.shm import ShmSession
 from kvstore.config import (
@@ -40,13 +39,14 @@ from kvstore.config import (
     socket_gid,
 )
 from kvstore.index import BlockMeta
-from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.server import RunningServer, create_server
-from kvstore.shm_wire import Hello
 from kvstore.store import BlockStore
 from kvstore.tiers import collector
+from kvstore.wire.blocks import ROOT_KEY, payload_checksum
+from kvstore.wire.namespace import ModelFingerprint, Namespace
+from kvstore.wire.session import Hello
 from tests.support.net import self_signed
 from tests.support.workers import start_every_worker
 

@@ -11,7 +11,6 @@ from typing import TypeVar
 
 import pytest
 
-from kvstore.blocks import ROOT_KEY, payload_checksum
 from kvstore.budget import LoopBudget
 from kvstore.client.keys import block_keys
 from kvstore.client.shm import ShmSession
@@ -24,13 +23,21 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UnknownSessionError,
 )
-from kvstore.namespace import ModelFingerprint, Namespace
-from kvstore.results import PutStatus
 from kvstore.service import MAX_KEYS, BlockSpec, KVStoreService
 from kvstore.sessions import SessionServer
-from kvstore.shm_wire import VERSION, Hello, SessionError, decode_hello, encode_hello, session_path
 from kvstore.store import BlockStore
 from kvstore.tiers.host import HostTier
+from kvstore.wire.blocks import ROOT_KEY, payload_checksum
+from kvstore.wire.namespace import ModelFingerprint, Namespace
+from kvstore.wire.results import PutStatus
+from kvstore.wire.session import (
+    VERSION,
+    Hello,
+    SessionError,
+    decode_hello,
+    encode_hello,
+    session_path,
+)
 
 MODEL = ModelFingerprint("test-model", num_layers=2, num_kv_heads=2, head_dim=64,
                          dtype="float16", block_tokens=16)  # fmt: skip
@@ -382,7 +389,7 @@ async def test_close_cancels_prefetches_in_flight(service, store, monkeypatch) -
         return 0
 
     async def on_ssd(keys: object, namespace: bytes | None = None) -> object:
-        from kvstore.results import LookupResult
+        from kvstore.wire.results import LookupResult
 
         return LookupResult.of_tiers(("ssd",))
 

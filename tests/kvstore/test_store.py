@@ -17,17 +17,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.blocks import ROOT_KEY, BlockLayout, Codec
 from kvstore.budget import SLICE_S
 from kvstore.errors import InvalidBlockError, StoreClosedError, UnknownLeaseError
 from kvstore.index import BlockMeta, block_id
 from kvstore.policies import LruPolicy, eviction_policy, write_policy
-from kvstore.results import LookupResult
 from kvstore.store import BlockStore, PutStatus, StoreTier
 from kvstore.tiers import collector
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.ssd import SsdTier
+from kvstore.wire.blocks import ROOT_KEY, BlockLayout, Codec
+from kvstore.wire.results import LookupResult
 from tests.support.leaves import tier_leaves
 from tests.support.workers import start_every_worker
 

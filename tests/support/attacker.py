@@ -22,7 +22,7 @@ from kvstore.client.shm import ShmSession
 from kvstore.client.wire import fingerprint_message
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from kvstore.shm_wire import Hello, SessionError
+from kvstore.wire.session import Hello, SessionError
 
 MODEL = ModelFingerprint("isolation", 2, 2, 64, "float16", block_tokens=16)
 AUTH = (("authorization", "Bearer bob-secret"),)

@@ -19,9 +19,9 @@ import random
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from kvstore.blocks import ROOT_KEY
 from kvstore.client.wire import fingerprint_message
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.blocks import ROOT_KEY
 from tests.support.fuzz_calls import Reply
 from tests.support.fuzz_world import MODEL, OTHER_TENANT, TENANT, Code, World
 

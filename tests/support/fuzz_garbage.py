@@ -12,8 +12,8 @@ import random
 
 from google.protobuf.descriptor import FieldDescriptor, MethodDescriptor
 
-from kvstore.blocks import ROOT_KEY
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.blocks import ROOT_KEY
 from tests.support.fuzz_world import MAX_MESSAGE, ROUNDS
 
 

@@ -16,7 +16,7 @@ import random
 import socket
 from collections.abc import Iterator
 
-from kvstore.shm_wire import Hello, encode_hello, session_path
+from kvstore.wire.session import Hello, encode_hello, session_path
 from tests.support.daemon import Daemon
 from tests.support.fuzz_calls import show
 from tests.support.fuzz_world import OTHER_TENANT, SHM_CODES, TENANT

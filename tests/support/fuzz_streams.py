@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.blocks import ROOT_KEY
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.blocks import ROOT_KEY
 from tests.support.fuzz_world import BLOCK, World
 
 

@@ -19,11 +19,11 @@ import grpc
 import xxhash
 from google.protobuf.descriptor import MethodDescriptor
 
-from kvstore.blocks import ROOT_KEY
 from kvstore.client.wire import fingerprint_message
-from kvstore.namespace import ModelFingerprint, Namespace
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.wire.blocks import ROOT_KEY
+from kvstore.wire.namespace import ModelFingerprint, Namespace
 from tests.support.daemon import Daemon
 
 SEED = int(os.environ.get("KVSTORE_FUZZ_SEED", "20240611"))

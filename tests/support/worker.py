@@ -24,7 +24,7 @@ from kvstore.client.shm import ShmSession
 from kvstore.client.wire import block_specs, fingerprint_message
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from kvstore.shm_wire import Hello
+from kvstore.wire.session import Hello
 
 MODEL = ModelFingerprint(
     "tiny-test", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16

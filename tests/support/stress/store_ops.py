@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.blocks import payload_checksum
 from kvstore.client import ROOT_KEY
 from kvstore.errors import UnknownLeaseError as UnknownLeaseErrorStore
 from kvstore.index import BlockMeta
 from kvstore.store import BlockStore, PutStatus
+from kvstore.wire.blocks import payload_checksum
 from tests.support.stress.content import (
     CHAIN_BLOCKS,
     LAYOUT,

@@ -16,13 +16,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kvstore.blocks import Codec
 from kvstore.client import ROOT_KEY
 from kvstore.policies import eviction_policy, write_policy
 from kvstore.store import BlockStore, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.ssd import SsdTier
+from kvstore.wire.blocks import Codec
 from tests.support.leaves import tier_leaves
 from tests.support.stress import checks
 from tests.support.stress.content import BLOCK, TENANTS, chain_keys, payload

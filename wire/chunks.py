@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvstore.checks import BlockSpec
+from kvstore.wire.blocks import BlockSpec
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 _U64 = struct.Struct("<Q")

@@ -16,6 +16,8 @@ Primitives, in the order a reader uses them:
   ``decode_layer(header, those bytes, layer)`` -> raw KV of that layer.
 - ``decode_block(stored bytes)`` -> (``BlockHeader``, raw payload), every layer and the
   whole payload verified.
+- ``BlockSpec(key, parent, num_tokens)``: a block a client writes (``Spec``: anything with
+  those three fields, a wire message included).
 - ``payload_checksum(raw payload)`` -> the block's xxh3-64, computed once when a block is
   committed; it travels with the block through every tier (the index keeps it for the host
   tier, the header for the others) and is checked whenever the block moves.
@@ -52,13 +54,13 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
-from kvstore.codecs import CODECS, Stored
-from kvstore.codecs import BlockFormatError as BlockFormatError
-from kvstore.codecs import Codec as Codec
+from kvstore.wire.codecs import CODECS, Stored
+from kvstore.wire.codecs import BlockFormatError as BlockFormatError
+from kvstore.wire.codecs import Codec as Codec
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -190,6 +192,29 @@ class BlockLayout:
         """
         _check_layer(layer, self.num_layers)
         return layer * self.layer_bytes, self.layer_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """A block a client writes: its key, its parent's key and how many tokens it holds."""
+
+    key: bytes
+    parent: bytes
+    num_tokens: int
+
+
+class Spec(Protocol):
+    """What a block's spec is read for: a :class:`BlockSpec`, or the wire's message with the
+    same three fields (a 512-block Reserve does not build 512 objects to read them once)."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def parent(self) -> bytes: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

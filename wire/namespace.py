@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from kvstore.blocks import DTYPE_BYTES, BlockLayout
+from kvstore.wire.blocks import DTYPE_BYTES, BlockLayout
 
 __all__ = ["ModelFingerprint", "Namespace", "RopeScaling"]
 

@@ -1,4 +1,4 @@
-"""kvstore.chunks against protobuf's own GetChunk and PutChunk: the same bytes both ways."""
+"""kvstore.wire.chunks against protobuf's own GetChunk and PutChunk: the same bytes both ways."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.checks import BlockSpec
-from kvstore.chunks import GetChunk, PutChunk, decode_get, decode_put, encode_get, encode_put
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.blocks import BlockSpec
+from kvstore.wire.chunks import GetChunk, PutChunk, decode_get, decode_put, encode_get, encode_put
 
 get_chunks = st.builds(
     GetChunk,

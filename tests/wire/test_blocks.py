@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.blocks import (
+from kvstore.wire.blocks import (
     HEADER_PREFIX_BYTES,
     ROOT_KEY,
     BadMagicError,

@@ -1,12 +1,12 @@
-"""Copies split over threads (tiers/threads.py): bit-exact for any cut, errors raised."""
+"""Copies split over threads (wire/threads.py): bit-exact for any cut, errors raised."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvstore.tiers import threads
-from kvstore.tiers.threads import LANE_BYTES, copy_arrays
+from kvstore.wire import threads
+from kvstore.wire.threads import LANE_BYTES, copy_arrays
 
 
 @pytest.mark.parametrize(
