@@ -22,7 +22,8 @@
   [...]`` store hits against recompute on one device
   (:mod:`kvstore.inference_adapter.bench.gpu`); their modules, and
   torch, load only when they run (without torch: a message naming the ``engine`` extra, exit
-  status 2).
+  status 2). The benchmarks run from a checkout (``make install``, an editable install): the
+  wheel leaves them out, and there ``kvstore bench ...`` says so (exit status 2).
 
 Exit statuses (every failure is one line on stderr, never a traceback or a secret):
 
@@ -67,6 +68,8 @@ log = logging.getLogger("kvstore")
 M = TypeVar("M", bound=Message)
 # What the engine-side commands need beyond the daemon (the ``engine`` extra).
 ENGINE_MODULES = ("torch", "triton", "gguf", "tokenizers", "jinja2")
+# ``kvstore bench ...`` and ``kvstore dataset fetch``: in a checkout, not in the wheel.
+BENCH_PACKAGE = "kvstore.inference_adapter.bench"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,6 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 command: Callable[[list[str]], int] = importlib.import_module(module).main
             except ModuleNotFoundError as error:
+                if f"{error.name}.".startswith(f"{BENCH_PACKAGE}."):  # it or a module in it
+                    print(
+                        f"kvstore {' '.join(words)}: the benchmarks are not in the installed "
+                        "package; run it from a checkout installed with `make install`",
+                        file=sys.stderr,
+                    )
+                    return 2
                 if error.name not in ENGINE_MODULES:
                     raise
                 print(

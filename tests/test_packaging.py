@@ -5,7 +5,9 @@
   runs, and blocks make a bit-exact round trip on both data planes (tests/support/torchless.py);
   neither process ever tried to import torch.
 - In a fresh venv where only ``pip install .`` ran (slow: a build and the base dependencies),
-  torch is not installed, ``kvstore serve --help`` runs, and so does the same round trip.
+  torch is not installed, ``kvstore serve --help`` runs, and so does the same round trip;
+  ``kvstore bench chat`` says the benchmarks run from a checkout.
+- ``pip wheel .`` builds a wheel without the benchmarks (``kvstore.inference_adapter.bench``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,19 @@ def run(command: list[str | Path], cwd: Path, **env: str) -> subprocess.Complete
     )
     assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stderr[-3000:]}"
     return result
+
+
+def source_copy(tmp_path: Path) -> Path:
+    """What a build needs, copied, so that a build leaves the repository alone."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ["pyproject.toml", "README.md"]:
+        shutil.copy2(REPO / name, source / name)
+    for folder in PACKAGE_FOLDERS:
+        shutil.copytree(
+            REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return source
 
 
 def check_round_trips(report: dict[str, object]) -> None:
@@ -91,14 +107,7 @@ def test_engine_commands_name_the_missing_extra(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_fresh_venv_with_only_pip_install_runs_without_torch(tmp_path: Path) -> None:
-    source = tmp_path / "source"  # what a build needs, so the build leaves the repo alone
-    source.mkdir()
-    for name in ["pyproject.toml", "README.md"]:
-        shutil.copy2(REPO / name, source / name)
-    for folder in PACKAGE_FOLDERS:
-        shutil.copytree(
-            REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__")
-        )
+    source = source_copy(tmp_path)
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv], tmp_path)  # no system site packages
     python = venv / "bin" / "python"
@@ -116,3 +125,22 @@ def test_a_fresh_venv_with_only_pip_install_runs_without_torch(tmp_path: Path) -
     report = json.loads(run([python, SCRIPT], tmp_path).stdout.splitlines()[-1])
     check_round_trips(report)
     assert str(report["client_dir"]).startswith(str(venv))  # the installed package, not the repo
+    bench = subprocess.run([venv / "bin" / "kvstore", "bench", "chat", "--help"], cwd=tmp_path,
+                           capture_output=True, text=True)  # fmt: skip
+    assert bench.returncode == 2, bench.stderr
+    assert "kvstore bench chat: the benchmarks are not in the installed package" in bench.stderr
+
+
+def test_the_wheel_holds_no_benchmark_module(tmp_path: Path) -> None:
+    """``pip wheel .`` leaves ``kvstore.inference_adapter.bench`` out (it runs from a checkout)
+    and keeps the runtime: the daemon, the wire layer, the client and the vLLM connector."""
+    source = source_copy(tmp_path)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", tmp_path / "dist", source], tmp_path)  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("kvstore-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert [name for name in names if "/bench/" in name] == []
+    for module in ["cli", "store", "wire/blocks", "client/client", "inference_adapter/vllm/worker"]:
+        assert f"kvstore/{module}.py" in names
+    assert (REPO / "inference_adapter" / "bench" / "chat.py").exists()  # the check can fail
