@@ -29,7 +29,6 @@ import numpy as np
 import xxhash
 
 from kvstore.budget import LoopBudget
-from kvstore.errors import InvalidBlockError
 from kvstore.index import BlockMeta, Node, RadixIndex, block_id
 from kvstore.leases import LeaseTable
 from kvstore.results import Acquired, Lease, Reserved
@@ -161,10 +160,9 @@ class ArenaPlane:
         finally:
             for node in nodes:
                 node.leases -= 1
-            counts = placement.counts  # a get per key tried, as BlockStore.get counts them
-            counts["gets"] += tried
-            counts["misses"] += misses
-            if hits:
+            placement.count_gets(tried, misses)
+            if hits:  # as Placement.record_hit counts each, for the whole call at once
+                counts = placement.counts
                 counts[f"hits.{top}"] += hits
                 counts[f"read_bytes.{top}"] += hit_bytes
         arena_id = self._host.arena(self._partition_of(namespace)).arena_id
@@ -253,14 +251,8 @@ class ArenaPlane:
         ``None`` (nothing changed) when blocks must be evicted first."""
         size = meta.layout.payload_bytes
         host = self._host
-        if not host.fits(size):
-            raise InvalidBlockError(
-                f"a block of {size} bytes can never fit in the host tier ({host.capacity()} bytes)"
-            )
-        existing = self._index.find(key, meta.namespace)
-        if existing is not None:
-            existing.doomed = False
-            self._counts["dedup_puts"] += 1
+        self._placement.check_fits(size)
+        if self._placement.dedup(key, meta.namespace):
             return Reserved(PutStatus.DEDUP)
         if host.usage() + host.slot_bytes(size) > host.capacity():
             return None

@@ -260,10 +260,9 @@ class BlockStore:
         """
         self._check_open()
         _check_key("key", key)
-        self._counts["gets"] += 1
         node = await self._placement.held(key, namespace)
         if node is None:
-            self._counts["misses"] += 1
+            self._placement.count_gets(1, 1)
             return None
         node.leases += 1
         try:
@@ -277,8 +276,8 @@ class BlockStore:
         finally:
             node.leases -= 1
         await self._placement.settle(node)
+        self._placement.count_gets(1, int(found is None))
         if found is None:
-            self._counts["misses"] += 1
             return None
         return Block(node.key, node.parent, node.meta, payload, slot.name, node.checksum)
 
@@ -319,7 +318,7 @@ class BlockStore:
         """
         self._check_open()
         _check_block(key, parent, meta, payload)
-        self._check_fits(meta.layout.payload_bytes)
+        self._placement.check_fits(meta.layout.payload_bytes)
         # Once started, a put ends consistently (stored and indexed, or discarded) even if
         # its caller is cancelled: its tier writes run on as tasks of their own.
         work = self._put(key, parent, meta, payload, checksum)
@@ -328,18 +327,13 @@ class BlockStore:
     async def _put(
         self, key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer, checksum: int
     ) -> PutStatus:
-        existing = self.index.find(key, meta.namespace)
-        if existing is not None:
-            existing.doomed = False  # same key, same content: a re-put revives a deleted block
-            existing.last_access = time.monotonic()
-            self._counts["dedup_puts"] += 1
+        if self._placement.dedup(key, meta.namespace):
             return PutStatus.DEDUP
         found = await checksum_of(payload)
         if checksum and found != checksum:
             self._counts["corrupt_writes"] += 1
             return PutStatus.CHECKSUM_MISMATCH
-        if self.index.find(key, meta.namespace) is not None:  # put while we summed it
-            self._counts["dedup_puts"] += 1
+        if self._placement.dedup(key, meta.namespace):  # put while we summed it
             return PutStatus.DEDUP
         node = self.index.begin(key, parent, meta, memoryview(payload).nbytes)
         node.checksum = found
@@ -624,15 +618,6 @@ class BlockStore:
         if self._arena is None:
             raise NoArenaError("the shared-memory data plane needs the host tier (host.enabled)")
         return self._arena
-
-    def _check_fits(self, size: int) -> None:
-        top = self._tiers[0].tier
-        fits = self._host.fits(size) if self._host is not None else size < top.capacity()
-        if not fits:
-            raise InvalidBlockError(
-                f"a block of {size} bytes can never fit in the {top.name} tier "
-                f"({top.capacity()} bytes)"
-            )
 
     # -- maintenance ------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from kvstore.errors import InvalidBlockError
 from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
 from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
 from kvstore.tiers.base import Buffer, HashedReads, Tier
+from kvstore.tiers.host import HostTier
 from kvstore.wire.blocks import (
     HEADER_PREFIX_BYTES,
     BlockFormatError,
@@ -498,6 +499,35 @@ class Placement:
 
     # -- misc --------------------------------------------------------------------------------
 
+    def dedup(self, key: bytes, namespace: bytes) -> bool:
+        """Whether ``key`` is held or being written already: then a put of it stores nothing
+        (the same key has the same content), revives the block if it was deleted, counts as
+        an access and as a dedup put. Every write path asks this first."""
+        existing = self.index.find(key, namespace)
+        if existing is None:
+            return False
+        existing.doomed = False
+        existing.last_access = time.monotonic()
+        self.counts["dedup_puts"] += 1
+        return True
+
+    def check_fits(self, size: int) -> None:
+        """Raises ``InvalidBlockError`` for a block that can never fit in the top tier, even
+        with the tier empty; every write path checks this before it evicts anything."""
+        top = self.tiers[0].tier
+        fits = top.fits(size) if isinstance(top, HostTier) else size < top.capacity()
+        if not fits:
+            raise InvalidBlockError(
+                f"a block of {size} bytes can never fit in the {top.name} tier "
+                f"({top.capacity()} bytes)"
+            )
+
+    def count_gets(self, tried: int, missed: int) -> None:
+        """Reads of ``tried`` keys, ``missed`` of them not served: every read path counts
+        its keys here, a hit's tier and bytes in :meth:`record_hit`."""
+        self.counts["gets"] += tried
+        self.counts["misses"] += missed
+
     def record_hit(self, node: Node, slot: StoreTier) -> None:
         node.hits += 1
         node.last_access = time.monotonic()
@@ -568,7 +598,6 @@ def tiers_from_config(
         config: The daemon's configuration.
         partition_of: The host arena a block id belongs to (the daemon: its tenant's).
     """
-    from kvstore.tiers.host import HostTier
     from kvstore.tiers.redis import RedisTier
     from kvstore.tiers.ssd import SsdTier
 
