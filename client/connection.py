@@ -46,6 +46,7 @@ from kvstore.client.wire import ServerInfo
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.wire import chunks
+from kvstore.wire.channels import open_channel
 from kvstore.wire.namespace import Namespace
 from kvstore.wire.session import Hello, SessionError
 
@@ -57,19 +58,6 @@ R = TypeVar("R")
 M = TypeVar("M", bound=Message)
 
 SERVICE: Final = "/kvstore.v1.KVStore"
-_CHANNEL_OPTIONS: Final = [
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
-    # The daemon is usually on this host: after a restart, reconnect within a second or two
-    # instead of gRPC's default backoff of up to two minutes.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    # A new client gets subchannels of its own. gRPC shares them per address across a
-    # process's channels by default, so a client made right after the daemon came back
-    # inherited the dead one's backoff and failed at once ("connection refused").
-    ("grpc.use_local_subchannel_pool", 1),
-]
 BACKOFF_BASE, BACKOFF_CAP = 0.05, 2.0  # seconds: first retry delay, and the most of any
 
 
@@ -129,11 +117,7 @@ class Connection:
         """Opens the channel and shakes hands; a second call does nothing."""
         if self._channel is not None:
             return
-        if self._tls_root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=self._tls_root_cert)
-            self._channel = grpc.aio.secure_channel(self.address, creds, options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(self.address, root_cert=self._tls_root_cert)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
         # Get's and Put's chunks are written and read with one copy of their data (not
         # protobuf's three; see kvstore.wire.chunks).

@@ -61,6 +61,7 @@ from kvstore import __version__
 from kvstore.config import LOG_LEVELS, TIER_SECTIONS, Config, ConfigError, load_config
 from kvstore.protos.kvstore.v1 import kvstore_pb2
 from kvstore.tiers.redis_url import without_secrets
+from kvstore.wire.channels import open_sync_channel
 
 __all__ = ["format_stats", "main"]
 
@@ -389,21 +390,15 @@ def _channel(args: argparse.Namespace) -> Iterator[tuple[str, grpc.Channel, list
     """
     address = args.address or load_config(args.config).server.listen[0]
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
-    if args.tls_ca is None:
-        channel = grpc.insecure_channel(address)
-    else:
+    root: bytes | None = None
+    if args.tls_ca is not None:
         try:
             root = Path(args.tls_ca).read_bytes()
         except OSError as error:
             raise ConfigError(f"--tls-ca {args.tls_ca}: {error.strerror}") from error
         if b"-----BEGIN CERTIFICATE-----" not in root:
             raise ConfigError(f"--tls-ca {args.tls_ca}: no PEM certificate in it")
-        options = []
-        if args.tls_server_name:
-            options.append(("grpc.ssl_target_name_override", args.tls_server_name))
-        credentials = grpc.ssl_channel_credentials(root_certificates=root)
-        channel = grpc.secure_channel(address, credentials, options=options)
-    with channel:
+    with open_sync_channel(address, root_cert=root, server_name=args.tls_server_name) as channel:
         yield address, channel, metadata
 
 
