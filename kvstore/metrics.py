@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvstore import __version__
+from kvstore.wire.results import COUNTERS
 
 if TYPE_CHECKING:
     from kvstore.service import ServiceStats
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the event loop
 
-_COUNTERS = ("gets", "misses", "puts", "dedup_puts", "promotions", "demotions", "dropped_saves",
-             "corrupt_blocks", "corrupt_writes", "expired_leases",
-             "expired_reservations")  # fmt: skip
 # Seconds: a lookup or a small unary call takes ~0.1-1 ms, a streamed get of MiBs 1-100 ms.
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
@@ -97,7 +95,7 @@ class StatsCollector(Collector):
             for tier in store.tiers:
                 metric.add_metric([tier.name], float(getattr(tier, field)))
             yield metric
-        for name in _COUNTERS:
+        for name in COUNTERS:
             yield CounterMetricFamily(f"kvstore_{name}", name.replace("_", " "),
                                       value=getattr(store, name))  # fmt: skip
         yield CounterMetricFamily("kvstore_lookups", "Lookup calls", value=stats.lookups)

@@ -63,7 +63,14 @@ from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import ArenaHandle, HostTier
 from kvstore.wire.blocks import KEY_BYTES
-from kvstore.wire.results import LookupResult, NamespaceUsage, PutStatus, StoreStats, TierStats
+from kvstore.wire.results import (
+    COUNTERS,
+    LookupResult,
+    NamespaceUsage,
+    PutStatus,
+    StoreStats,
+    TierStats,
+)
 
 __all__ = [
     "Acquired",
@@ -661,23 +668,12 @@ class BlockStore:
             )
             for s in self._tiers
         )
-        c = self._counts
         return StoreStats(
             tiers=tiers,
             blocks=len(self.index),
-            puts=c["puts"],
-            dedup_puts=c["dedup_puts"],
-            gets=c["gets"],
-            misses=c["misses"],
-            promotions=c["promotions"],
-            demotions=c["demotions"],
-            dropped_saves=c["dropped_saves"],
-            corrupt_blocks=c["corrupt_blocks"],
-            corrupt_writes=c["corrupt_writes"],
             active_leases=len(self._leases),
             active_reservations=0 if self._arena is None else len(self._arena),
-            expired_leases=c["expired_leases"],
-            expired_reservations=c["expired_reservations"],
+            **{name: self._counts[name] for name in COUNTERS},
         )
 
     async def _maintain_forever(self) -> None:

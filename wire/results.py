@@ -65,6 +65,14 @@ class NamespaceUsage:
     tiers: tuple[tuple[str, int], ...]  # (tier, blocks it holds a copy of), top tier first
 
 
+# The store's counters, declared once: each only grows. ``StoreStats`` carries them, the Stats
+# reply and the client's ``Stats`` by the same names, Prometheus as ``kvstore_<name>_total``.
+COUNTERS: tuple[str, ...] = (
+    "gets", "misses", "puts", "dedup_puts", "promotions", "demotions", "dropped_saves",
+    "corrupt_blocks", "corrupt_writes", "expired_leases", "expired_reservations",
+)  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     tiers: tuple[TierStats, ...]
