@@ -18,7 +18,7 @@ checking each buffer's size, bounds and writability; numpy reads a buffer's addr
 tensor (possible only once torch is imported: :func:`is_tensor`) by its data pointer when it
 is on the CPU, with no numpy array per block, and with torch's ``copy_`` when it is on a
 device (:mod:`kvstore.client.tensors`).
-Copies of ``COPY_IN_THREAD_BYTES`` or more run in a worker thread (both drop the GIL), and a
+Copies of ``THREAD_BYTES`` or more run in a worker thread (both drop the GIL), and a
 cancelled caller still waits for that thread: a slot is released or aborted only once nothing
 touches it any more. :func:`verify` checks bytes against the checksum the daemon recorded
 when the block was committed.
@@ -56,6 +56,7 @@ from kvstore.wire.session import (
 )
 from kvstore.wire.threads import (
     COPY_LANES,
+    THREAD_BYTES,
     Span,
     copy_spans,
     pread_exactly,
@@ -68,7 +69,6 @@ if TYPE_CHECKING:
     from kvstore.client import tensors
 
 __all__ = [
-    "COPY_IN_THREAD_BYTES",
     "Arena",
     "Buffer",
     "Payload",
@@ -87,7 +87,6 @@ __all__ = [
     "verify",
 ]
 
-COPY_IN_THREAD_BYTES = 1 << 20
 PUT_COPY_LANES = max(1, COPY_LANES // 2)  # a put's copy leaves the other cores to the daemon
 OPEN_SECONDS = 5.0
 
@@ -252,7 +251,7 @@ class _Mapping:
 
                 tensors.copy_all(on_device, pinned=pinned)
 
-        if sum(length for _, length in slots) < COPY_IN_THREAD_BYTES:
+        if sum(length for _, length in slots) < THREAD_BYTES:
             copy_all()
         else:
             await self.in_thread(copy_all)
@@ -341,7 +340,7 @@ class Arena(_Mapping):
         for offset, length in slots:
             self.check(offset, length)
         arena, fd = self._open_map(), self._fd
-        if sum(length for _, length in slots) < COPY_IN_THREAD_BYTES:
+        if sum(length for _, length in slots) < THREAD_BYTES:
             return [arena[offset : offset + length] for offset, length in slots]
         return await self.in_thread(lambda: [pread_exactly(fd, *slot) for slot in slots])
 
@@ -357,7 +356,7 @@ class Arena(_Mapping):
         """
         views = [self.view(*slot) for slot in slots]
         try:
-            if sum(length for _, length in slots) < COPY_IN_THREAD_BYTES:
+            if sum(length for _, length in slots) < THREAD_BYTES:
                 verify(views, checksums, what)
             else:
                 await self.in_thread(lambda: verify(views, checksums, what))
@@ -384,7 +383,7 @@ class Staging(_Mapping):
         def sums() -> list[int]:
             return [payload_checksum(self.view(*slot)) for slot in slots]
 
-        if sum(length for _, length in slots) < COPY_IN_THREAD_BYTES:
+        if sum(length for _, length in slots) < THREAD_BYTES:
             return sums()
         return await self.in_thread(sums)
 

@@ -32,12 +32,13 @@ from kvstore.budget import LoopBudget
 from kvstore.index import BlockMeta, Node, RadixIndex, block_id
 from kvstore.leases import LeaseTable
 from kvstore.results import Acquired, Lease, Reserved
-from kvstore.tiering import OFFLOAD_BYTES, Placement, StoreTier, offload
+from kvstore.tiering import Placement, StoreTier
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import ArenaHandle, HostTier
 from kvstore.wire.blocks import payload_checksum
 from kvstore.wire.results import PutStatus
+from kvstore.wire.threads import THREAD_BYTES, offload
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ class ArenaPlane:
         """The checksum of each slot, after copying its source into it: in one worker thread
         when the blocks are large, on the loop a slice at a time when they are small."""
         size = sum(slot.length for slot, _ in items)
-        if size < OFFLOAD_BYTES or size < len(items) * THREAD_BLOCK_BYTES:
+        if size < THREAD_BYTES or size < len(items) * THREAD_BLOCK_BYTES:
             sums: list[int] = []
             budget = LoopBudget()
             for slot, source in items:

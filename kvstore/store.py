@@ -164,15 +164,15 @@ class BlockStore:
         raises.
         """
         try:
-            for slot in self._tiers:
-                await slot.tier.start()
-            for slot in self._tiers:
-                if slot.codec is not None and not slot.shared:
-                    await self._placement.rebuild_from(slot)
+            for level in self._tiers:
+                await level.tier.start()
+            for level in self._tiers:
+                if level.codec is not None and not level.shared:
+                    await self._placement.rebuild_from(level)
         except BaseException:
-            for slot in self._tiers:
+            for level in self._tiers:
                 with contextlib.suppress(Exception):
-                    await slot.tier.aclose()
+                    await level.tier.aclose()
             raise
         self._open = True
         self._maintenance = asyncio.create_task(self._maintain_forever(), name="store-maintenance")
@@ -188,8 +188,8 @@ class BlockStore:
         if self._open and flush:
             await self.flush()
         self._open = False
-        for slot in self._tiers:
-            await slot.tier.aclose()
+        for level in self._tiers:
+            await level.tier.aclose()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -203,9 +203,9 @@ class BlockStore:
         return tuple(self._tiers)
 
     def tier(self, name: str) -> StoreTier:
-        for slot in self._tiers:
-            if slot.name == name:
-                return slot
+        for level in self._tiers:
+            if level.name == name:
+                return level
         raise KeyError(f"no tier named {name!r}; tiers: {[s.name for s in self._tiers]}")
 
     # -- namespaces -------------------------------------------------------------------------
@@ -244,17 +244,17 @@ class BlockStore:
         stored header before handing bytes out.
         """
         local = self.lookup_local(keys, namespace)
-        shared = [slot for slot in self._tiers if slot.shared]
+        shared = [level for level in self._tiers if level.shared]
         if not shared or local.num_blocks == len(keys):
             return local
         rest = [key + namespace for key in keys[local.num_blocks :]]
         runs, held = list(local.runs), local.num_blocks
-        for slot in shared:
+        for level in shared:
             if not rest:
                 break
-            found = await slot.tier.contains_many(rest)
+            found = await level.tier.contains_many(rest)
             count = next((i for i, hit in enumerate(found) if not hit), len(found))
-            add_run(runs, slot.name, count)
+            add_run(runs, level.name, count)
             held, rest = held + count, rest[count:]
         return LookupResult(held, tuple(runs))
 
@@ -275,9 +275,9 @@ class BlockStore:
         try:
             found = await self._placement.read_any(node)
             if found is not None:
-                slot, payload = found
-                self._placement.record_hit(node, slot)
-                if slot is not self._tiers[0]:
+                level, payload = found
+                self._placement.record_hit(node, level)
+                if level is not self._tiers[0]:
                     await self._placement.promote(node, payload)
                 await self._placement.write_selective(node, payload)
         finally:
@@ -286,7 +286,7 @@ class BlockStore:
         self._placement.count_gets(1, int(found is None))
         if found is None:
             return None
-        return Block(node.key, node.parent, node.meta, payload, slot.name, node.checksum)
+        return Block(node.key, node.parent, node.meta, payload, level.name, node.checksum)
 
     async def get_layer(self, key: bytes, namespace: bytes, layer: int) -> bytes | None:
         """Raw bytes of one layer of a block (no promotion), or ``None`` on a miss."""
@@ -297,9 +297,9 @@ class BlockStore:
         offset, length = node.meta.layout.layer_range(layer)
         node.leases += 1
         try:
-            for slot in self._tiers:
-                if slot.name in node.tiers:
-                    data = await self._placement.read_layer(slot, node, layer, offset, length)
+            for level in self._tiers:
+                if level.name in node.tiers:
+                    data = await self._placement.read_layer(level, node, layer, offset, length)
                     if data is not None:
                         return data
             return None
@@ -364,10 +364,10 @@ class BlockStore:
 
     async def _forget(self, node: Node) -> None:
         """Drops a block that never became visible, with any copy a tier took of it."""
-        for slot in self._tiers:
-            if slot.name in node.tiers:
-                self._placement.lost_copy(slot, node)
-                await slot.tier.delete(node.id)
+        for level in self._tiers:
+            if level.name in node.tiers:
+                self._placement.lost_copy(level, node)
+                await level.tier.delete(node.id)
         self.index.discard(node.id)
 
     async def delete(self, key: bytes, namespace: bytes) -> int:
@@ -405,7 +405,7 @@ class BlockStore:
                 size += node.size
                 per_tier.update(node.tiers)
             await budget.tick()
-        tiers = tuple((slot.name, per_tier[slot.name]) for slot in self._tiers)
+        tiers = tuple((level.name, per_tier[level.name]) for level in self._tiers)
         return NamespaceUsage(namespace, blocks, size, tiers)
 
     async def evict_namespace(self, namespace: bytes) -> int:
@@ -634,21 +634,21 @@ class BlockStore:
         self._counts["expired_leases"] += await self._leases.expire(now)
         if self._arena is not None:
             self._counts["expired_reservations"] += await self._arena.expire(now)
-        for slot in self._tiers:
-            if slot.ttl > 0:
-                await self._placement.expire(slot, now - slot.ttl)
+        for level in self._tiers:
+            if level.ttl > 0:
+                await self._placement.expire(level, now - level.ttl)
         await self.relieve_pressure()
 
     async def relieve_pressure(self) -> None:
         """Evicts from each tier above its high watermark until it is under the low one,
         yielding to the loop at least every ``SLICE_S`` of work."""
-        for slot in self._tiers:
-            capacity = slot.tier.capacity()
-            if slot.tier.usage() <= self._high * capacity:
+        for level in self._tiers:
+            capacity = level.tier.capacity()
+            if level.tier.usage() <= self._high * capacity:
                 continue
             budget = LoopBudget()  # a long drain must not stall the loop
-            while slot.tier.usage() > self._low * capacity:
-                if not await self._placement.evict_one(slot):
+            while level.tier.usage() > self._low * capacity:
+                if not await self._placement.evict_one(level):
                     break
                 await budget.tick()
 

@@ -55,10 +55,10 @@ from kvstore.wire.blocks import (
     header_length,
     payload_checksum,
 )
+from kvstore.wire.threads import offload
 
 log = logging.getLogger(__name__)
 
-OFFLOAD_BYTES = 1 << 20  # copies, checksums and codecs above this size run in a worker thread
 CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "lz4_shuffle": Codec.LZ4_SHUFFLE}
 PROMOTE = "^promote"  # the in-flight key of a node's promotion (tier names are plain words)
 T = TypeVar("T")
@@ -66,7 +66,8 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class StoreTier:
-    """A tier in the hierarchy, with the policies that concern it."""
+    """A level of the hierarchy: a tier with the policies that concern it. Code names one
+    ``level``; a ``Slot`` is only ever a byte range in the host arena."""
 
     tier: Tier
     codec: Codec | None  # None: raw payload (top tier); else encoded blocks with checksums
@@ -77,13 +78,6 @@ class StoreTier:
     @property
     def name(self) -> str:
         return self.tier.name
-
-
-async def offload(size: int, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-    """Runs ``fn`` inline when ``size`` is small, in a worker thread otherwise."""
-    if size < OFFLOAD_BYTES:
-        return fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 def add_run(runs: list[tuple[str, int]], tier: str, count: int) -> None:
@@ -116,7 +110,7 @@ class Placement:
         self.index = index
         self.policy = policy
         self.counts = counts
-        self._by_name = {slot.name: slot for slot in tiers}
+        self._by_name = {level.name: level for level in tiers}
         self._tops: dict[frozenset[str], str] = {}  # a node's tier set -> its highest tier
         self.pending: set[asyncio.Task[Any]] = set()  # flights and work finishing anyway
         index.leaf_events = self
@@ -162,33 +156,33 @@ class Placement:
 
     # -- writes -----------------------------------------------------------------------------
 
-    async def store_in(self, slot: StoreTier, node: Node, payload: Buffer) -> bool:
-        """Writes ``node`` into ``slot``, evicting there as needed. False when it cannot."""
-        if slot.name in node.tiers:
+    async def store_in(self, level: StoreTier, node: Node, payload: Buffer) -> bool:
+        """Writes ``node`` into ``level``, evicting there as needed. False when it cannot."""
+        if level.name in node.tiers:
             return True
-        return await self.once(node, slot.name, lambda: self._store(slot, node, payload))
+        return await self.once(node, level.name, lambda: self._store(level, node, payload))
 
-    async def _store(self, slot: StoreTier, node: Node, payload: Buffer) -> bool:
-        if slot.name in node.tiers:
+    async def _store(self, level: StoreTier, node: Node, payload: Buffer) -> bool:
+        if level.name in node.tiers:
             return True
         node.busy += 1
         try:
-            blob = await self.encode(slot, node, payload)
-            capacity = slot.tier.capacity()
+            blob = await self.encode(level, node, payload)
+            tier, capacity = level.tier, level.tier.capacity()
             while True:
-                if slot.tier.usage() + len(blob) <= capacity and await slot.tier.put(node.id, blob):
+                if tier.usage() + len(blob) <= capacity and await tier.put(node.id, blob):
                     break
-                if not slot.tier.healthy() or not await self.evict_one(slot):
-                    self.counts[f"failed_writes.{slot.name}"] += 1
+                if not tier.healthy() or not await self.evict_one(level):
+                    self.counts[f"failed_writes.{level.name}"] += 1
                     return False
         finally:
             node.busy -= 1
-        self.index.add_copy(node, slot.name)
-        self.counts[f"written_bytes.{slot.name}"] += len(blob)
+        self.index.add_copy(node, level.name)
+        self.counts[f"written_bytes.{level.name}"] += len(blob)
         return True
 
-    async def encode(self, slot: StoreTier, node: Node, payload: Buffer) -> Buffer:
-        if slot.codec is None:
+    async def encode(self, level: StoreTier, node: Node, payload: Buffer) -> Buffer:
+        if level.codec is None:
             return payload
         return await offload(
             len(payload),
@@ -199,85 +193,85 @@ class Placement:
             num_tokens=node.meta.num_tokens,
             layout=node.meta.layout,
             payload=payload,
-            codec=slot.codec,
+            codec=level.codec,
             checksum=node.checksum,
         )
 
     async def write_through(self, node: Node, payload: Buffer) -> bool:
         """Copies a new block into every lower tier whose policy writes at put time."""
         stored = False
-        for slot in self.tiers[1:]:
-            if slot.write.on_put:
-                stored = await self.store_in(slot, node, payload) or stored
+        for level in self.tiers[1:]:
+            if level.write.on_put:
+                stored = await self.store_in(level, node, payload) or stored
         return stored
 
     async def write_selective(self, node: Node, payload: Buffer) -> None:
-        for slot in self.tiers[1:]:
-            if slot.name not in node.tiers and slot.write.admits_on_hit(node.hits):
-                await self.store_in(slot, node, payload)
+        for level in self.tiers[1:]:
+            if level.name not in node.tiers and level.write.admits_on_hit(node.hits):
+                await self.store_in(level, node, payload)
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def read_payload(self, slot: StoreTier, node: Node) -> bytes | memoryview | None:
-        """The raw payload from ``slot``, verified; drops a missing or corrupt copy."""
+    async def read_payload(self, level: StoreTier, node: Node) -> bytes | memoryview | None:
+        """The raw payload from ``level``, verified; drops a missing or corrupt copy."""
         got: tuple[bytes | memoryview, int | None] | None
-        if slot.codec is None and isinstance(slot.tier, HashedReads):
-            got = await slot.tier.get_hashed(node.id)  # copied and hashed in one pass
+        if level.codec is None and isinstance(level.tier, HashedReads):
+            got = await level.tier.get_hashed(node.id)  # copied and hashed in one pass
         else:
-            whole = await slot.tier.get(node.id)
+            whole = await level.tier.get(node.id)
             got = None if whole is None else (whole, None)
         if got is None:
-            self.lost_copy(slot, node)
+            self.lost_copy(level, node)
             return None
         blob, found = got
         try:
-            if slot.codec is None:
+            if level.codec is None:
                 found = await checksum_of(blob) if found is None else found
                 if found != node.checksum:
                     raise ChecksumMismatchError(-1, node.checksum, found)
                 return blob
             header, payload = await offload(len(blob), decode_block, blob)
-            self.check_header(slot, header, node)
+            self.check_header(level, header, node)
         except BlockFormatError as error:
-            await self.drop_corrupt(slot, node, error)
+            await self.drop_corrupt(level, node, error)
             return None
         return payload
 
     async def read_any(self, node: Node) -> tuple[StoreTier, bytes | memoryview] | None:
-        for slot in self.tiers:
-            if slot.name in node.tiers:
-                payload = await self.read_payload(slot, node)
+        for level in self.tiers:
+            if level.name in node.tiers:
+                payload = await self.read_payload(level, node)
                 if payload is not None:
-                    return slot, payload
+                    return level, payload
         return None
 
     async def read_layer(
-        self, slot: StoreTier, node: Node, layer: int, offset: int, length: int
+        self, level: StoreTier, node: Node, layer: int, offset: int, length: int
     ) -> bytes | None:
-        if slot.codec is None:
-            return await slot.tier.get_range(node.id, offset, length)
+        if level.codec is None:
+            return await level.tier.get_range(node.id, offset, length)
         try:
-            header = await self.read_header(slot, node.id)
+            header = await self.read_header(level, node.id)
             if header is None:
                 return None
-            self.check_header(slot, header, node)
+            self.check_header(level, header, node)
             start, size = header.stored_range(layer)
-            stored = await slot.tier.get_range(node.id, start, size)
+            stored = await level.tier.get_range(node.id, start, size)
             if stored is None:
                 return None
             return await offload(size, decode_layer, header, stored, layer)
         except BlockFormatError as error:
-            await self.drop_corrupt(slot, node, error)
+            await self.drop_corrupt(level, node, error)
             return None
 
-    async def read_header(self, slot: StoreTier, block: bytes) -> BlockHeader | None:
-        prefix = await slot.tier.get_range(block, 0, HEADER_PREFIX_BYTES)
+    async def read_header(self, level: StoreTier, block: bytes) -> BlockHeader | None:
+        prefix = await level.tier.get_range(block, 0, HEADER_PREFIX_BYTES)
         if prefix is None:
             return None
-        raw = await slot.tier.get_range(block, 0, header_length(prefix))
+        raw = await level.tier.get_range(block, 0, header_length(prefix))
         return None if raw is None else decode_header(raw)
 
-    def check_header(self, slot: StoreTier, header: BlockHeader, node: Node) -> None:
+    def check_header(self, level: StoreTier, header: BlockHeader, node: Node) -> None:
         """Raises ``BlockFormatError`` unless ``header`` is this block's (key, namespace,
         layout and checksum). A shared tier may hold another node's equally valid KV for the
         same tokens (a different checksum): adopted when no local copy says otherwise."""
@@ -295,19 +289,19 @@ class Placement:
         if header.checksum == node.checksum:
             return
         local = [s for s in self.tiers if s.name in node.tiers and not s.shared]
-        if slot.shared and not local:
+        if level.shared and not local:
             node.checksum = header.checksum
             return
         raise ChecksumMismatchError(-1, node.checksum, header.checksum)
 
-    async def drop_corrupt(self, slot: StoreTier, node: Node, error: Exception) -> None:
-        log.warning("dropping corrupt copy of %s in %s: %s", node.id.hex()[:16], slot.name, error)
+    async def drop_corrupt(self, level: StoreTier, node: Node, error: Exception) -> None:
+        log.warning("dropping corrupt copy of %s in %s: %s", node.id.hex()[:16], level.name, error)
         self.counts["corrupt_blocks"] += 1
-        self.lost_copy(slot, node)
-        await slot.tier.delete(node.id)
+        self.lost_copy(level, node)
+        await level.tier.delete(node.id)
 
-    def lost_copy(self, slot: StoreTier, node: Node) -> None:
-        self.index.drop_copy(node, slot.name)
+    def lost_copy(self, level: StoreTier, node: Node) -> None:
+        self.index.drop_copy(node, level.name)
 
     # -- leaf events: the policy orders a tier's leaves only ---------------------------------
 
@@ -360,63 +354,63 @@ class Placement:
     async def discover(self, key: bytes, namespace: bytes) -> Node | None:
         """Adopts a block that another node wrote to a shared tier into the local index."""
         block = key + namespace
-        for slot in self.tiers:
-            if not slot.shared:
+        for level in self.tiers:
+            if not level.shared:
                 continue
             try:
-                header = await self.read_header(slot, block)
+                header = await self.read_header(level, block)
             except BlockFormatError as error:
-                log.warning("corrupt header for %s in %s: %s", block.hex()[:16], slot.name, error)
+                log.warning("corrupt header for %s in %s: %s", block.hex()[:16], level.name, error)
                 self.counts["corrupt_blocks"] += 1
-                await slot.tier.delete(block)
+                await level.tier.delete(block)
                 continue
             if header is None or (header.key, header.namespace) != (key, namespace):
                 continue
             if self.index.find(key, namespace) is not None:
                 return None  # adopted (or written) while we read: ask again
             try:
-                return self.adopt(slot, header)
+                return self.adopt(level, header)
             except InvalidBlockError as error:  # its parent chain leads back to it
-                log.warning("not adopting %s from %s: %s", block.hex()[:16], slot.name, error)
+                log.warning("not adopting %s from %s: %s", block.hex()[:16], level.name, error)
         return None
 
-    def adopt(self, slot: StoreTier, header: BlockHeader) -> Node:
-        """A committed node for a block that ``slot`` holds (its header read and checked)."""
+    def adopt(self, level: StoreTier, header: BlockHeader) -> Node:
+        """A committed node for a block that ``level`` holds (its header read and checked)."""
         meta = BlockMeta(header.namespace, header.num_tokens, header.layout)
         node = self.index.begin(header.key, header.parent, meta, header.layout.payload_bytes)
         node.checksum = header.checksum
-        self.index.add_copy(node, slot.name)
+        self.index.add_copy(node, level.name)
         return self.index.commit(node.id)
 
     # -- eviction ----------------------------------------------------------------------------
 
-    async def evict_one(self, slot: StoreTier, *, spare_protected: bool = False) -> bool:
-        """Evicts one block from ``slot`` (demoting it first per policy). False if none may go.
+    async def evict_one(self, level: StoreTier, *, spare_protected: bool = False) -> bool:
+        """Evicts one block from ``level`` (demoting it first per policy). False if none may go.
         ``spare_protected``: not a block a hint protects (room made for another hint)."""
-        for block in self.policy.victims(slot.name):
+        for block in self.policy.victims(level.name):
             node = self.index.get(block)
-            if node is None or slot.name not in node.tiers:
-                self.policy.removed(slot.name, block)
+            if node is None or level.name not in node.tiers:
+                self.policy.removed(level.name, block)
                 continue
             if spare_protected and self.policy.protected(block):
                 continue
-            if self.evictable(node, slot) and await self.evict(node, slot):
+            if self.evictable(node, level) and await self.evict(node, level):
                 return True
         return False
 
-    def evictable(self, node: Node, slot: StoreTier) -> bool:
+    def evictable(self, node: Node, level: StoreTier) -> bool:
         if not node.committed or node.pinned or node.flights:
             return False
-        if self.index.children_in(node.id, slot.name):
+        if self.index.children_in(node.id, level.name):
             return False
-        if node.tiers - {slot.name} or self.demotion_target(node, slot) is not None:
+        if node.tiers - {level.name} or self.demotion_target(node, level) is not None:
             return True
         if self.policy.protected(node.id):
             return False  # a queued session needs it: it may move down, never out
         return not self.index.children_of(node.id)  # its last copy: a parent outlives children
 
-    def demotion_target(self, node: Node, slot: StoreTier) -> StoreTier | None:
-        position = self.tiers.index(slot)
+    def demotion_target(self, node: Node, level: StoreTier) -> StoreTier | None:
+        position = self.tiers.index(level)
         if position + 1 >= len(self.tiers):
             return None
         lower = self.tiers[position + 1]
@@ -424,34 +418,34 @@ class Placement:
             return None
         return lower if lower.tier.healthy() else None
 
-    async def evict(self, node: Node, slot: StoreTier) -> bool:
-        """Demotes ``node`` per policy, then frees its copy in ``slot``; False when the copy
+    async def evict(self, node: Node, level: StoreTier) -> bool:
+        """Demotes ``node`` per policy, then frees its copy in ``level``; False when the copy
         stays: the demotion failed and it is the last copy of a parent (or of a block a
         queued session needs)."""
         node.busy += 1
         try:
-            lower = self.demotion_target(node, slot)
+            lower = self.demotion_target(node, level)
             if lower is not None:
-                payload = await self.read_payload(slot, node)
+                payload = await self.read_payload(level, node)
                 if payload is not None and await self.store_in(lower, node, payload):
                     self.counts["demotions"] += 1
-            evicted = slot.name in node.tiers and self._may_drop(node, slot)
+            evicted = level.name in node.tiers and self._may_drop(node, level)
             if evicted:
-                self.lost_copy(slot, node)
-                await slot.tier.delete(node.id)
-                self.counts[f"evictions.{slot.name}"] += 1
+                self.lost_copy(level, node)
+                await level.tier.delete(node.id)
+                self.counts[f"evictions.{level.name}"] += 1
         finally:
             node.busy -= 1
         await self.settle(node)
         return evicted
 
-    def _may_drop(self, node: Node, slot: StoreTier) -> bool:
-        if node.tiers - {slot.name}:
+    def _may_drop(self, node: Node, level: StoreTier) -> bool:
+        if node.tiers - {level.name}:
             return True  # another tier holds it
         return not self.index.children_of(node.id) and not self.policy.protected(node.id)
 
-    async def expire(self, slot: StoreTier, cutoff: float) -> int:
-        """Evicts ``slot``'s blocks idle since before ``cutoff``; returns how many.
+    async def expire(self, level: StoreTier, cutoff: float) -> int:
+        """Evicts ``level``'s blocks idle since before ``cutoff``; returns how many.
 
         Walks the policy's order from the front, anew after each eviction (which may put a
         parent first), and stops at the first block used since ``cutoff``: the cost is the
@@ -462,19 +456,19 @@ class Placement:
         every ``SLICE_S`` of work (:class:`~kvstore.budget.LoopBudget`).
         """
         expired, budget = 0, LoopBudget()
-        while await self._expire_one(slot, cutoff):
+        while await self._expire_one(level, cutoff):
             expired += 1
             await budget.tick()
         return expired
 
-    async def _expire_one(self, slot: StoreTier, cutoff: float) -> bool:
-        for block in self.policy.victims(slot.name):
+    async def _expire_one(self, level: StoreTier, cutoff: float) -> bool:
+        for block in self.policy.victims(level.name):
             node = self.index.get(block)
-            if node is None or slot.name not in node.tiers:
+            if node is None or level.name not in node.tiers:
                 continue
             if node.last_access >= cutoff:
                 return False
-            if self.evictable(node, slot) and await self.evict(node, slot):
+            if self.evictable(node, level) and await self.evict(node, level):
                 return True
         return False
 
@@ -487,11 +481,11 @@ class Placement:
         forgotten under a promotion would leave the copy it lands as no one's to free).
         """
         while node.doomed and not (node.pinned or node.flights):
-            slot = next((s for s in self.tiers if s.name in node.tiers), None)
-            if slot is None:
+            level = next((s for s in self.tiers if s.name in node.tiers), None)
+            if level is None:
                 break
-            self.lost_copy(slot, node)
-            await slot.tier.delete(node.id)
+            self.lost_copy(level, node)
+            await level.tier.delete(node.id)
         if node.pinned or node.flights:
             return  # whoever uses it settles it when done
         if not node.tiers and node.committed and self.index.get(node.id) is node:
@@ -528,12 +522,12 @@ class Placement:
         self.counts["gets"] += tried
         self.counts["misses"] += missed
 
-    def record_hit(self, node: Node, slot: StoreTier) -> None:
+    def record_hit(self, node: Node, level: StoreTier) -> None:
         node.hits += 1
         node.last_access = time.monotonic()
         self.policy.accessed(node.id)
-        self.counts[f"hits.{slot.name}"] += 1
-        self.counts[f"read_bytes.{slot.name}"] += node.size
+        self.counts[f"hits.{level.name}"] += 1
+        self.counts[f"read_bytes.{level.name}"] += node.size
 
     def top_tier(self, node: Node) -> str:
         """The name of the highest tier holding ``node`` (it must be in one)."""
@@ -554,39 +548,39 @@ class Placement:
         return top
 
     def _highest(self, tiers: frozenset[str]) -> str:
-        for slot in self.tiers:
-            if slot.name in tiers:
-                return slot.name
+        for level in self.tiers:
+            if level.name in tiers:
+                return level.name
         raise LookupError(f"no tier of {sorted(tiers)} is a tier of this store")
 
-    async def rebuild_from(self, slot: StoreTier) -> None:
+    async def rebuild_from(self, level: StoreTier) -> None:
         """Re-adds the blocks a persistent tier holds (their headers carry key, parent,
         namespace and checksum)."""
         adopted = dropped = 0
-        for block in list(slot.tier.keys()):
+        for block in list(level.tier.keys()):
             try:
-                header = await self.read_header(slot, block) if len(block) == ID_BYTES else None
+                header = await self.read_header(level, block) if len(block) == ID_BYTES else None
             except BlockFormatError as error:
-                log.warning("dropping %s from %s at start: %s", block.hex()[:16], slot.name, error)
+                log.warning("dropping %s from %s at start: %s", block.hex()[:16], level.name, error)
                 header = None
             if header is None or header.key + header.namespace != block:
-                await slot.tier.delete(block)
+                await level.tier.delete(block)
                 dropped += 1
                 continue
             node = self.index.get(block)
             if node is None:
                 try:
-                    self.adopt(slot, header)
+                    self.adopt(level, header)
                 except InvalidBlockError as error:
-                    log.warning("dropping %s from %s: %s", block.hex()[:16], slot.name, error)
-                    await slot.tier.delete(block)
+                    log.warning("dropping %s from %s: %s", block.hex()[:16], level.name, error)
+                    await level.tier.delete(block)
                     dropped += 1
                     continue
             else:
-                self.index.add_copy(node, slot.name)
+                self.index.add_copy(node, level.name)
             adopted += 1
         self.counts["corrupt_blocks"] += dropped
-        log.info("%s: rebuilt %d blocks from storage, dropped %d", slot.name, adopted, dropped)
+        log.info("%s: rebuilt %d blocks from storage, dropped %d", level.name, adopted, dropped)
 
 
 def tiers_from_config(

@@ -39,7 +39,7 @@ Primitives, beyond the :class:`~kvstore.tiers.base.Tier` contract (``put``, ``ge
 ``put`` is reserve + copy + commit on a private reservation; a put of a committed key
 replaces it (the old slot is freed at its last unpin).
 
-Safety: all bookkeeping runs on the event loop thread. Copies of ``COPY_IN_THREAD_BYTES`` or
+Safety: all bookkeeping runs on the event loop thread. Copies of ``COPY_THREAD_BYTES`` or
 more run in a worker thread that does not hold the GIL, and a cancelled caller still waits
 for its thread to finish.
 """
@@ -62,7 +62,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvstore.wire.threads import pread_exactly, run_to_completion
+from kvstore.wire.threads import COPY_THREAD_BYTES, pread_exactly, run_to_completion
 
 from . import collector
 from .allocator import ArenaAllocator, Slot
@@ -76,9 +76,6 @@ from .base import (
     check_range,
 )
 
-# Below this a copy runs inline: at memcpy speed it takes < 0.5 ms, less than handing it to a
-# worker thread and waking the loop again costs on a busy machine.
-COPY_IN_THREAD_BYTES = 4 * 1024 * 1024
 PREFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # faulted in per worker-thread call, at most ...
 PREFAULT_CHUNK_SHARE = 16  # ... and at most 1/16 of the tier
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
@@ -393,7 +390,7 @@ class HostTier:
         if slot is None:
             return None
         arena = self._owner[slot.offset]
-        if slot.length < COPY_IN_THREAD_BYTES:
+        if slot.length < COPY_THREAD_BYTES:
             blob = arena.map[slot.offset : slot.end]  # no await: nothing can intervene
             return blob, xxhash.xxh3_64_intdigest(blob)
         self._pin(slot)
@@ -765,7 +762,7 @@ class HostTier:
     async def _read_pinned(self, slot: Slot, start: int, stop: int) -> bytes:
         arena = self._owner[slot.offset]
         offset, length = slot.offset + start, stop - start
-        if length < COPY_IN_THREAD_BYTES:
+        if length < COPY_THREAD_BYTES:
             return arena.map[offset : offset + length]  # no await: nothing can intervene
         self._pin(slot)
         try:
@@ -775,7 +772,7 @@ class HostTier:
 
     async def _read_pinned_into(self, slot: Slot, target: memoryview) -> None:
         arena = self._owner[slot.offset]
-        if slot.length < COPY_IN_THREAD_BYTES:
+        if slot.length < COPY_THREAD_BYTES:
             with memoryview(arena.map) as whole:
                 target[:] = whole[slot.offset : slot.end]
             return
@@ -788,7 +785,7 @@ class HostTier:
 
     async def _write(self, slot: Slot, source: memoryview) -> None:
         arena = self._owner[slot.offset]
-        if source.nbytes < COPY_IN_THREAD_BYTES:
+        if source.nbytes < COPY_THREAD_BYTES:
             arena.map[slot.offset : slot.offset + source.nbytes] = source
         else:
             target = arena.bytes[slot.offset : slot.offset + source.nbytes]

@@ -3,6 +3,9 @@
 - ``run_to_completion(call)`` runs ``call`` in a worker thread; a caller cancelled meanwhile
   still waits for the thread to finish before the cancellation propagates, so the buffers
   the copy reads and writes stay valid (not freed, not unmapped) until it is done;
+- ``offload(size, fn, *args)``: the one rule for blocking work on ``size`` bytes (copies,
+  checksums, codecs) from an event loop: inline below ``THREAD_BYTES`` (a plain copy: below
+  ``COPY_THREAD_BYTES``), else ``run_to_completion``;
 - ``pread_exactly(fd, offset, length)`` reads ``length`` bytes at ``offset`` (one ``pread``
   stops at about 2 GiB);
 - ``copy_arrays(pairs)`` copies byte arrays, a large copy split over up to ``COPY_LANES``
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import functools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor  # loads the executor module now, not later
@@ -29,7 +33,17 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COPY_LANES", "Span", "copy_arrays", "copy_spans", "pread_exactly", "run_to_completion"]
+__all__ = [
+    "COPY_LANES",
+    "COPY_THREAD_BYTES",
+    "THREAD_BYTES",
+    "Span",
+    "copy_arrays",
+    "copy_spans",
+    "offload",
+    "pread_exactly",
+    "run_to_completion",
+]
 
 T = TypeVar("T")
 Bytes = npt.NDArray[np.uint8]
@@ -38,6 +52,14 @@ ShareT = TypeVar("ShareT")
 
 COPY_LANES = max(1, min(4, len(os.sched_getaffinity(0))))  # threads of one large copy, at most
 LANE_BYTES = 2 << 20  # the least share of a copy worth a thread of its own
+# Blocking work on fewer bytes than these runs inline on the event loop; larger work runs in a
+# worker thread (numpy, xxhash and lz4 drop the GIL) while the loop turns. Work that computes
+# on the bytes (checksums, codecs: 1 MiB of lz4 is ~1 ms) goes to a thread from 1 MiB; a plain
+# copy from 4 MiB (~0.4 ms at memcpy speed), since a hop to a thread and back costs more than
+# a smaller copy: the host tier's puts and gets of 1-2 MiB blocks ran at 0.9-2.3x of memmove
+# inline and 0.2-0.6x in a thread (benchmarks/tiers.py, same run).
+THREAD_BYTES = 1 << 20
+COPY_THREAD_BYTES = 4 << 20
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
 
 
@@ -168,3 +190,11 @@ async def run_to_completion(call: Callable[[], T]) -> T:
         if not future.cancelled():
             future.exception()  # retrieved: the cancellation is what propagates
         raise
+
+
+async def offload(size: int, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """``fn(*args, **kwargs)`` inline when it works on fewer than ``THREAD_BYTES`` bytes, in a
+    worker thread otherwise (:func:`run_to_completion`: a cancelled caller waits for it)."""
+    if size < THREAD_BYTES:
+        return fn(*args, **kwargs)
+    return await run_to_completion(functools.partial(fn, *args, **kwargs))

@@ -13,7 +13,6 @@ import torch
 
 from kvstore.client.errors import CorruptBlockError
 from kvstore.client.shm import (
-    COPY_IN_THREAD_BYTES,
     Arena,
     Staging,
     StagingBudget,
@@ -21,8 +20,9 @@ from kvstore.client.shm import (
     check_payloads,
 )
 from kvstore.wire.blocks import payload_checksum
+from kvstore.wire.threads import THREAD_BYTES
 
-AREA_BYTES = 8 * COPY_IN_THREAD_BYTES
+AREA_BYTES = 8 * THREAD_BYTES
 
 
 def memfd(size: int = AREA_BYTES) -> int:
@@ -49,7 +49,7 @@ async def areas() -> tuple[Arena, Staging, mmap.mmap]:
     daemon.close()
 
 
-@pytest.mark.parametrize("length", [4096, 3 * COPY_IN_THREAD_BYTES])  # inline and threaded
+@pytest.mark.parametrize("length", [4096, 3 * THREAD_BYTES])  # inline and threaded
 async def test_copies_in_and_out_are_bit_exact(areas, length: int) -> None:
     arena, staging, daemon = areas
     data = os.urandom(length)
@@ -183,7 +183,7 @@ def test_as_bytes_views_without_copying() -> None:
 
 async def test_numpy_arrays_are_payloads_and_targets(areas) -> None:
     arena, staging, daemon = areas
-    length = 2 * COPY_IN_THREAD_BYTES  # threaded
+    length = 2 * THREAD_BYTES  # threaded
     sent = np.random.default_rng(0).integers(0, 2**16, length // 2, dtype=np.uint16)
     await staging.copy_in([(0, length)], [sent])
     daemon[0:length] = bytes(staging.view(0, length))

@@ -21,7 +21,6 @@ import xxhash
 
 from kvstore.tiers import BlobTooLargeError, InvalidRangeError, TierClosedError
 from kvstore.tiers.host import (
-    COPY_IN_THREAD_BYTES,
     HASHED_CHUNK_BYTES,
     HostTier,
     InvalidBufferError,
@@ -31,11 +30,12 @@ from kvstore.tiers.host import (
     Slot,
     SlotExistsError,
 )
+from kvstore.wire.threads import COPY_THREAD_BYTES
 from tests.support.prefault import StalledPrefault
 
 PAGE = 4096
 MIB = 1024 * 1024
-BIG = 32 * MIB  # well past COPY_IN_THREAD_BYTES: copies run in a worker thread
+BIG = 32 * MIB  # well past COPY_THREAD_BYTES: copies run in a worker thread
 
 
 @pytest.fixture
@@ -339,7 +339,7 @@ async def test_another_process_reads_slots_in_place(tier: HostTier) -> None:
 
 async def test_large_copies_are_bit_exact_for_any_buffer(tier: HostTier) -> None:
     blob = bytearray(random.Random(3).randbytes(4 * MIB))
-    assert len(blob) >= COPY_IN_THREAD_BYTES
+    assert len(blob) >= COPY_THREAD_BYTES
     words = memoryview(blob).cast("I", shape=[1024, 1024])  # 2-D, 4-byte items
     sources = [bytes(blob), blob, memoryview(blob), words, memoryview(blob)[::2]]
     for i, (data, expected) in enumerate(zip(sources, [blob] * 4 + [blob[::2]], strict=True)):
@@ -376,7 +376,7 @@ async def test_get_hashed_copies_and_hashes_in_one_pass(tier: HostTier, length: 
     assert got is not None
     copy, digest = got
     assert bytes(copy) == blob and digest == xxhash.xxh3_64_intdigest(blob)
-    if length >= COPY_IN_THREAD_BYTES:  # a view of its own buffer: no write reaches it
+    if length >= COPY_THREAD_BYTES:  # a view of its own buffer: no write reaches it
         assert isinstance(copy, memoryview) and copy.readonly
         assert await tier.put(b"k", bytes(length))
         assert bytes(copy) == blob
@@ -478,7 +478,7 @@ async def test_aclose_with_a_view_still_alive_keeps_it_usable(
     view.release()
 
 
-@pytest.mark.parametrize("length", [5000, 5 * MIB + 7])  # below and past COPY_IN_THREAD_BYTES
+@pytest.mark.parametrize("length", [5000, 5 * MIB + 7])  # below and past COPY_THREAD_BYTES
 async def test_get_into_fills_the_head_of_the_buffer(tier: HostTier, length: int) -> None:
     blob = random.Random(length).randbytes(length)
     assert await tier.put(b"k", blob)
