@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from kvstore.budget import LoopBudget
-from kvstore.index import BlockMeta, Node, RadixIndex, block_id
+from kvstore.index import BlockIndex, BlockMeta, Node, block_id
 from kvstore.leases import LeaseTable
 from kvstore.results import Acquired, Lease, Reserved
 from kvstore.tiering import Placement, StoreTier
@@ -68,7 +68,7 @@ class ArenaPlane:
     def __init__(
         self,
         top: StoreTier,
-        index: RadixIndex,
+        index: BlockIndex,
         placement: Placement,
         leases: LeaseTable,
         counts: Counter[str],

@@ -1,8 +1,10 @@
-"""The radix index: which blocks the store holds, where, and how they chain.
+"""The block index: which blocks the store holds, where, and how they chain.
 
-Block keys are chained hashes (``h_i = H(h_{i-1} || namespace || tokens_i)``), so a prefix of
-tokens is a path of keys and the radix tree needs one edge per block: a node is a block, its
-parent is the block before it. Identical prefixes hash to identical keys and are stored once.
+A dict of nodes by block id, with each node's parent and children: block keys are chained
+hashes (``h_i = H(h_{i-1} || namespace || tokens_i)``), so a prefix of tokens is a path of keys,
+one edge per block (a node is a block, its parent the block before it), and the prefix-tree
+behaviour of a radix cache comes from the keys alone. Identical prefixes hash to identical
+keys and are stored once.
 
 Every node belongs to one namespace (a model and a tenant), and the index is scoped by it: a
 block is named by its *block id* ``key || namespace`` (64 bytes; the tiers store it under
@@ -127,7 +129,7 @@ class _NoLeafEvents:
         return None
 
 
-class RadixIndex:
+class BlockIndex:
     """Nodes by block id and by (namespace, key), with parent -> children links (children may
     arrive before parents)."""
 

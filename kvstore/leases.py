@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvstore.budget import LoopBudget
 from kvstore.errors import InvalidRequestError, UnknownLeaseError
-from kvstore.index import Node, RadixIndex
+from kvstore.index import BlockIndex, Node
 from kvstore.results import Lease
 from kvstore.tiering import Placement
 from kvstore.tiers.allocator import Slot
@@ -49,7 +49,7 @@ class LeaseTable:
 
     def __init__(
         self,
-        index: RadixIndex,
+        index: BlockIndex,
         placement: Placement,
         default_ttl: float,
         unpin: Callable[[Slot], None] | None = None,

@@ -1,7 +1,7 @@
 """The tier manager: puts, gets and moves KV blocks across the tiers, top to bottom.
 
 ``BlockStore`` owns an ordered list of tiers (host shared memory, then SSD, then Redis; any
-may be disabled), the radix index and the policies. The top tier stores the raw layer-major
+may be disabled), the block index and the policies. The top tier stores the raw layer-major
 payload (so co-located clients can view it in place); lower tiers store the encoded block
 (header with per-layer checksums + payload, compressed per the tier's config), checked on
 every read: a mismatch is a miss, the bad copy is deleted and ``corrupt_blocks`` goes up.
@@ -47,7 +47,7 @@ from kvstore.arena import ArenaPlane, Commit
 from kvstore.budget import LoopBudget
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
-from kvstore.index import BlockMeta, Node, RadixIndex, block_id
+from kvstore.index import BlockIndex, BlockMeta, Node, block_id
 from kvstore.leases import LeaseTable
 from kvstore.policies import EvictionPolicy, HintBudget, eviction_policy
 from kvstore.results import Acquired, Block, Lease, Reserved
@@ -108,7 +108,7 @@ class BlockStore:
         if not tiers:
             raise ValueError("a BlockStore needs at least one tier")
         self._tiers = list(tiers)
-        self.index = RadixIndex()
+        self.index = BlockIndex()
         self.policy = eviction
         self._high, self._low = high_watermark, low_watermark
         self._interval = maintenance_interval

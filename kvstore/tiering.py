@@ -1,7 +1,7 @@
 r"""Placement: writing, reading, promoting, demoting and evicting blocks across the tiers.
 
 The engine room of :class:`kvstore.store.BlockStore`. ``Placement`` holds the ordered tiers,
-the radix index and the eviction policy, and moves bytes between tiers. Every block is stored
+the block index and the eviction policy, and moves bytes between tiers. Every block is stored
 under its block id (``key || namespace``, :func:`kvstore.index.block_id`).
 
 - ``store_in(tier, node, payload)`` writes a copy, evicting in that tier until it fits; one
@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from kvstore.budget import LoopBudget
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError
-from kvstore.index import ID_BYTES, BlockMeta, Node, RadixIndex
+from kvstore.index import ID_BYTES, BlockIndex, BlockMeta, Node
 from kvstore.policies import EvictionPolicy, WritePolicy, write_policy
 from kvstore.tiers.base import Buffer, HashedReads, Tier
 from kvstore.tiers.host import HostTier
@@ -102,7 +102,7 @@ class Placement:
     def __init__(
         self,
         tiers: list[StoreTier],
-        index: RadixIndex,
+        index: BlockIndex,
         policy: EvictionPolicy,
         counts: Counter[str],
     ) -> None:
@@ -534,7 +534,7 @@ class Placement:
         return self._top(node.tiers)
 
     def top_runs(self, runs: Sequence[tuple[frozenset[str], int]]) -> list[tuple[str, int]]:
-        """Runs of tier sets (``RadixIndex.match_runs``) as runs of the highest tier in each,
+        """Runs of tier sets (``BlockIndex.match_runs``) as runs of the highest tier in each,
         neighbours with the same highest tier merged."""
         named: list[tuple[str, int]] = []
         for tiers, count in runs:

@@ -1,4 +1,4 @@
-"""The radix index's per-tier block counts, child counts and tier leaves against a brute-force
+"""The block index's per-tier block counts, child counts and tier leaves against a brute-force
 walk, under random copy events."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.errors import InvalidBlockError
-from kvstore.index import BlockMeta, Node, RadixIndex
+from kvstore.index import BlockIndex, BlockMeta, Node
 from kvstore.wire.blocks import BlockLayout
 from tests.support.leaves import children_in, tier_leaves
 from tests.support.young import biggest_young_dict
@@ -23,12 +23,12 @@ NAMESPACE = b"n" * 32
 TIERS = ("host", "ssd", "redis")
 
 
-def recount(index: RadixIndex) -> Counter[str]:
+def recount(index: BlockIndex) -> Counter[str]:
     return Counter(tier for node in index.nodes() for tier in node.tiers)
 
 
 def test_copies_added_dropped_and_nodes_discarded_keep_the_counts() -> None:
-    index = RadixIndex()
+    index = BlockIndex()
     meta = BlockMeta(NAMESPACE, 4, LAYOUT)
     root = index.begin(b"a" * 32, b"\0" * 32, meta, 64)
     child = index.begin(b"b" * 32, b"a" * 32, meta, 64)
@@ -51,7 +51,7 @@ def test_copies_added_dropped_and_nodes_discarded_keep_the_counts() -> None:
 
 def test_random_events_never_let_the_counts_drift() -> None:
     rng = random.Random(7)
-    index = RadixIndex()
+    index = BlockIndex()
     meta = BlockMeta(NAMESPACE, 4, LAYOUT)
     nodes: list[Node] = []
     for step in range(5000):
@@ -99,7 +99,7 @@ class IndexEvents(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = RadixIndex()
+        self.index = BlockIndex()
         self.leaves = Leaves()
         self.index.leaf_events = self.leaves
         self.meta = BlockMeta(NAMESPACE, 4, LAYOUT)
@@ -142,7 +142,7 @@ test_leaf_events_match_a_brute_force_walk = IndexEvents.TestCase
 def test_nodes_share_their_meta_and_tier_sets() -> None:
     """A node is the one object per block the garbage collector tracks: equal BlockMetas and
     equal tier sets are one object each (a full collection's cost is per tracked object)."""
-    index = RadixIndex()
+    index = BlockIndex()
     nodes = []
     for i in range(500):
         meta = BlockMeta(NAMESPACE, 4, LAYOUT)  # a new, equal object per put, as the wire gives
@@ -162,7 +162,7 @@ def test_no_collection_finds_the_index_maps_tracked_while_blocks_go_in() -> None
     """A young collection can run at any allocation; none, here one per allocation, finds
     the index's maps of 2,000 nodes in its generation (it would walk them all: at 200K
     blocks 10-20 ms a collection, most of the daemon's event-loop lag)."""
-    index = RadixIndex()
+    index = BlockIndex()
     parents = [bytes(32)]
     with biggest_young_dict() as watch:
         for i in range(2000):

@@ -1,11 +1,11 @@
-"""Brute-force recounts of what the radix index keeps incrementally (for consistency tests)."""
+"""Brute-force recounts of what the block index keeps incrementally (for consistency tests)."""
 
 from __future__ import annotations
 
-from kvstore.index import RadixIndex
+from kvstore.index import BlockIndex
 
 
-def tier_leaves(index: RadixIndex, tier: str) -> set[bytes]:
+def tier_leaves(index: BlockIndex, tier: str) -> set[bytes]:
     """The ids of indexed nodes ``tier`` holds while no indexed child of theirs holds a copy
     there, found by walking every node."""
     nodes = {node.id: node for node in index.nodes()}
@@ -15,7 +15,7 @@ def tier_leaves(index: RadixIndex, tier: str) -> set[bytes]:
     return {block for block, node in nodes.items() if tier in node.tiers} - held_below
 
 
-def children_in(index: RadixIndex, block: bytes, tier: str) -> int:
+def children_in(index: BlockIndex, block: bytes, tier: str) -> int:
     """How many indexed children of ``block`` hold a copy in ``tier``, by walking them."""
     return sum(
         1
