@@ -6,21 +6,29 @@ payload (so co-located clients can view it in place); lower tiers store the enco
 (header with per-layer checksums + payload, compressed per the tier's config), checked on
 every read: a mismatch is a miss, the bad copy is deleted and ``corrupt_blocks`` goes up.
 
-Primitives, in the order a request uses them:
+Primitives, in the order a request uses them (the service's calls):
 
 0. ``register_namespace(namespace, tenant)``: the host arena a namespace's blocks live in
    (one arena per tenant; unregistered namespaces share the arena of tenant ``""``);
 1. ``lookup(keys, namespace)`` -> :class:`LookupResult`: how many leading blocks are held, and
    where (shared tiers such as Redis are asked live for keys the local index lacks);
-2. ``pin(keys, namespace)`` -> :class:`Lease` on the leading held blocks; ``release(lease_id)``;
-3. ``get(key, namespace)`` -> :class:`Block` or ``None``; promotes to the top tier on a hit;
-   ``get_layer(key, namespace, layer)`` -> one layer's raw bytes;
-4. ``put(key, parent, meta, payload)`` -> :class:`PutStatus` (``DEDUP`` when the namespace
-   holds the key: identical prefixes are stored once);
+2. reads: ``acquire(keys, namespace)`` -> :class:`Acquired`: the leading held blocks promoted
+   into the host arena and leased; ``release(lease_id)`` ends the lease. Without a host tier
+   (or for what the arena cannot take) ``get(key, namespace)`` -> :class:`Block` or ``None``,
+   a verified copy, promoted on a hit;
+3. writes: ``reserve(key, parent, meta)`` -> :class:`Reserved`: arena space for a block
+   (``DEDUP`` when the namespace holds the key: identical prefixes are stored once), then
+   ``commit``/``commit_many`` (copy in, checksum, visible, written through) or ``abort``.
+   Without a host tier (or room in it) ``put(key, parent, meta, payload)`` -> :class:`PutStatus`;
+4. ``prefetch(keys, namespace)``: a hinted session's blocks moved up into the arena;
 5. ``delete(key, namespace)``, ``flush()`` (write-back blocks to the tier below, for shutdown),
    ``stats()``, and ``maintain()`` (lease expiry, TTLs, watermarks; also run periodically);
 6. operations: ``namespaces()``, ``usage_of(namespace)`` -> :class:`NamespaceUsage`,
    ``evict_namespace(namespace)`` (every block of it, from every tier).
+
+``pin(keys, namespace)`` (a lease without the arena) and ``get_layer(key, namespace, layer)``
+(one layer's raw bytes, read from whichever tier holds the block) serve no request today; the
+tests and the stress harness use them to hold blocks and to read lower tiers layer by layer.
 
 Every operation is scoped by a namespace: a block is indexed and stored under
 ``key || namespace``, so the same key in another namespace is another block (see
