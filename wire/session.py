@@ -6,7 +6,8 @@ gRPC cannot pass file descriptors, so the daemon also listens on a unix socket o
 1. client -> daemon, one JSON line (at most ``MAX_LINE_BYTES``)::
 
        {"version": 1, "token": "<bearer token, or empty>", "tenant": "<tenant>",
-        "staging_bytes": <bytes the client wants to write at once>}
+        "staging_bytes": <bytes the client wants to write at once, 0: the most>,
+        "pin": <true when the client registers the arena with CUDA>}
 
 2. daemon -> client, one JSON line, and on success two descriptors (``SCM_RIGHTS``): the
    tenant's arena, opened read-only, then the session's staging area, writable::
@@ -18,9 +19,10 @@ gRPC cannot pass file descriptors, so the daemon also listens on a unix socket o
 3. the connection stays open: it *is* the session. When the client closes it (or dies), the
    daemon aborts the session's reservations and drops its staging area.
 
-``code`` is a gRPC status name (UNAUTHENTICATED, PERMISSION_DENIED, INVALID_ARGUMENT,
-RESOURCE_EXHAUSTED, UNAVAILABLE). Both memory files are sealed against resizing, so neither
-side can make the other's mapping fault.
+``code`` is a gRPC status name: the daemon sends INVALID_ARGUMENT, UNAUTHENTICATED,
+PERMISSION_DENIED, RESOURCE_EXHAUSTED, FAILED_PRECONDITION or INTERNAL; the client raises
+UNAVAILABLE, INTERNAL or UNKNOWN of its own (closed early, malformed reply, no code). Both
+memory files are sealed against resizing, so neither side can make the other's mapping fault.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 - ``run_to_completion(call)`` runs ``call`` in a worker thread; a caller cancelled meanwhile
   still waits for the thread to finish before the cancellation propagates, so the buffers
   the copy reads and writes stay valid (not freed, not unmapped) until it is done;
-- ``offload(size, fn, *args)``: the one rule for blocking work on ``size`` bytes (copies,
-  checksums, codecs) from an event loop: inline below ``THREAD_BYTES`` (a plain copy: below
-  ``COPY_THREAD_BYTES``), else ``run_to_completion``;
+- ``offload(size, fn, *args)``: the rule for work that computes on ``size`` bytes
+  (checksums, codecs) from an event loop: inline below ``THREAD_BYTES``, else
+  ``run_to_completion``. Plain copies compare their size themselves: the host tier's with
+  ``COPY_THREAD_BYTES``, the client's shared-memory copies (which may take several copy
+  lanes) with ``THREAD_BYTES``;
 - ``pread_exactly(fd, offset, length)`` reads ``length`` bytes at ``offset`` (one ``pread``
   stops at about 2 GiB);
 - ``copy_arrays(pairs)`` copies byte arrays, a large copy split over up to ``COPY_LANES``
