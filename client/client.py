@@ -35,7 +35,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.client import transfer, wire
 from kvstore.client.connection import Connection
 from kvstore.client.errors import TRANSIENT, error_from_rpc
-from kvstore.client.shm import Arena, Payload, TargetT, check_payloads, require_torch
+from kvstore.client.shm import (
+    Arena,
+    Payload,
+    TargetT,
+    caller_stream,
+    check_payloads,
+    require_torch,
+)
 from kvstore.client.wire import LookupResult, ServerInfo, Slots, Stats, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.blocks import ROOT_KEY
@@ -246,16 +253,31 @@ class AsyncKVStoreClient:
 
     @overload
     async def get(
-        self, namespace: Namespace, keys: Sequence[bytes], *, out: None = None
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        *,
+        out: None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> list[bytes]: ...
 
     @overload
     async def get(
-        self, namespace: Namespace, keys: Sequence[bytes], *, out: Sequence[TargetT]
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        *,
+        out: Sequence[TargetT],
+        stream: torch.cuda.Stream | None = None,
     ) -> list[TargetT]: ...
 
     async def get(
-        self, namespace: Namespace, keys: Sequence[bytes], *, out: Sequence[TargetT] | None = None
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        *,
+        out: Sequence[TargetT] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> list[bytes] | list[TargetT]:
         """The payloads of the leading held blocks of a key chain.
 
@@ -264,6 +286,9 @@ class AsyncKVStoreClient:
             keys: A key chain, block 0 first.
             out: One destination per key (writable buffers, or contiguous tensors on any
                 device, of exactly ``payload_bytes``); the blocks are copied into them.
+            stream: The CUDA stream that copies into CUDA tensors queue on, after the work
+                already queued there; default: the calling thread's current stream. The
+                copies are done when this returns.
 
         Returns:
             One payload per leading held block (fewer than ``keys`` on a partial hit, empty on
@@ -275,6 +300,8 @@ class AsyncKVStoreClient:
         """
         keys = wire.check_keys(keys)
         size = namespace.model.layout().payload_bytes
+        if stream is None:
+            stream = caller_stream()
         if out is not None:
             if len(out) != len(keys):
                 raise ValueError(f"out needs one buffer per key: {len(keys)}, got {len(out)}")
@@ -286,7 +313,7 @@ class AsyncKVStoreClient:
             session = await self._conn.session(namespace.tenant)
             if session is None:
                 return await transfer.get_stream(
-                    self._conn, digest, keys, size, out, verify=self.verify
+                    self._conn, digest, keys, size, out, verify=self.verify, stream=stream
                 )
             leased = await transfer.acquire(
                 self._conn, session, digest, keys, size, verify=self.verify
@@ -295,7 +322,7 @@ class AsyncKVStoreClient:
                 if out is None:
                     result: list[bytes] | list[TargetT] = await leased.arena.read(leased.slots)
                 else:
-                    await leased.arena.copy_out(leased.slots, out[: len(leased.slots)])
+                    await leased.arena.copy_out(leased.slots, out[: len(leased.slots)], stream)
                     result = list(out[: len(leased.slots)])
             except BaseException:
                 await self._conn.release_quietly(leased.lease_id)
@@ -398,6 +425,7 @@ class AsyncKVStoreClient:
         blocks: Sequence[Payload],
         *,
         parent: bytes = ROOT_KEY,
+        stream: torch.cuda.Stream | None = None,
     ) -> list[WriteStatus]:
         """Stores full blocks of a key chain; visible to every client once this returns.
 
@@ -408,6 +436,9 @@ class AsyncKVStoreClient:
                 contiguous tensors on any device
                 (``[num_layers, 2, block_tokens, num_kv_heads, head_dim]``).
             parent: The key before ``keys[0]``; ``ROOT_KEY`` when ``keys[0]`` is block 0.
+            stream: The CUDA stream that copies from CUDA tensors queue on, after the work
+                already queued there (what fills them); default: the calling thread's
+                current stream. The copies are done when this returns.
 
         Returns:
             One status per block: STORED, DEDUP (already held), NO_SPACE or EXPIRED.
@@ -423,16 +454,18 @@ class AsyncKVStoreClient:
         check_payloads(blocks, size, what="blocks")
         if not keys:
             return []
+        if stream is None:
+            stream = caller_stream()
         specs = wire.block_specs(keys, parent, namespace.model.block_tokens)
 
         async def put(digest: bytes) -> list[WriteStatus]:
             session = await self._conn.session(namespace.tenant)
             if session is None or session.budget.slot_bytes(size) > session.budget.total:
                 return await transfer.put_stream(
-                    self._conn, digest, specs, blocks, verify=self.verify
+                    self._conn, digest, specs, blocks, verify=self.verify, stream=stream
                 )
             return await transfer.put_shm(
-                self._conn, session, digest, specs, blocks, size, verify=self.verify
+                self._conn, session, digest, specs, blocks, size, verify=self.verify, stream=stream
             )
 
         return await self._conn.in_namespace(namespace, put)

@@ -79,6 +79,7 @@ __all__ = [
     "TargetT",
     "as_bytes",
     "buffer_bytes",
+    "caller_stream",
     "check_payloads",
     "host_span",
     "is_tensor",
@@ -113,6 +114,18 @@ def is_tensor(data: object) -> TypeGuard[torch.Tensor]:
     imported (then no tensor exists)."""
     module = sys.modules.get("torch")
     return module is not None and isinstance(data, module.Tensor)
+
+
+def caller_stream() -> torch.cuda.Stream | None:
+    """The calling thread's current CUDA stream (on its current device) once this process has
+    started CUDA; None otherwise. A call takes it where it is made and queues its copies to
+    and from device tensors on it, wherever they then run: a current stream is per thread,
+    and the client's loop and copy threads have only the default one."""
+    module = sys.modules.get("torch")
+    if module is None or not module.cuda.is_initialized():
+        return None
+    stream: torch.cuda.Stream = module.cuda.current_stream()
+    return stream
 
 
 def require_torch(what: str) -> None:
@@ -212,11 +225,13 @@ class _Mapping:
         *,
         into_slots: bool,
         lanes: int | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Copies ``data[i]`` into slot i (``into_slots``), or slot i into ``data[i]``, in a
         worker thread when the bytes are many: ``memmove`` between host buffers by address
         (a large copy split over ``lanes`` threads at most, default ``COPY_LANES``), torch's
-        ``copy_`` for a tensor on a device (asynchronous from a pinned arena).
+        ``copy_`` for a tensor on a device (asynchronous from a pinned arena; on CUDA queued
+        on ``stream``, see :func:`caller_stream`).
 
         Raises:
             ValueError: a slot outside the area, a buffer of another length than its slot,
@@ -249,7 +264,7 @@ class _Mapping:
             if on_device:
                 from kvstore.client import tensors
 
-                tensors.copy_all(on_device, pinned=pinned)
+                tensors.copy_all(on_device, pinned=pinned, stream=stream)
 
         if sum(length for _, length in slots) < THREAD_BYTES:
             copy_all()
@@ -344,9 +359,12 @@ class Arena(_Mapping):
             return [arena[offset : offset + length] for offset, length in slots]
         return await self.in_thread(lambda: [pread_exactly(fd, *slot) for slot in slots])
 
-    async def copy_out(self, slots: Slots, targets: Sequence[Target]) -> None:
-        """Copies each slot into the target of the same index (exactly ``length`` bytes)."""
-        await self._copy(slots, targets, into_slots=False)
+    async def copy_out(
+        self, slots: Slots, targets: Sequence[Target], stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Copies each slot into the target of the same index (exactly ``length`` bytes); into
+        a CUDA tensor on ``stream`` (:func:`caller_stream`)."""
+        await self._copy(slots, targets, into_slots=False, stream=stream)
 
     async def verify(self, slots: Slots, checksums: Sequence[int], what: str) -> None:
         """Checks each slot against the checksum the daemon recorded for its block.
@@ -372,10 +390,13 @@ class Staging(_Mapping):
     def __init__(self, fd: int, size: int, *, pin: bool = False) -> None:
         super().__init__(fd, size, writable=True, pin=pin)
 
-    async def copy_in(self, slots: Slots, sources: Sequence[Payload]) -> None:
+    async def copy_in(
+        self, slots: Slots, sources: Sequence[Payload], stream: torch.cuda.Stream | None = None
+    ) -> None:
         """Copies each source into the slot of the same index (exactly ``length`` bytes), on
-        half the copy lanes: the daemon copies the batch before from staging meanwhile."""
-        await self._copy(slots, sources, into_slots=True, lanes=PUT_COPY_LANES)
+        half the copy lanes: the daemon copies the batch before from staging meanwhile. A CUDA
+        tensor is copied on ``stream`` (:func:`caller_stream`)."""
+        await self._copy(slots, sources, into_slots=True, lanes=PUT_COPY_LANES, stream=stream)
 
     async def checksums(self, slots: Slots) -> list[int]:
         """The xxh3-64 of each slot's bytes, as the daemon will check them at Commit."""

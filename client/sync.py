@@ -27,6 +27,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvstore.client.client import AsyncKVStoreClient
 from kvstore.client.errors import NotConnectedError
+from kvstore.client.shm import caller_stream
 from kvstore.client.wire import ServerInfo
 
 __all__ = ["KVStoreClient"]
@@ -41,6 +42,22 @@ def _blocking(
     """The async client's ``method``, waited for on the client's loop."""
 
     def call(self: KVStoreClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(method(self._client, *args, **kwargs))
+
+    functools.update_wrapper(call, method)
+    return call
+
+
+def _blocking_copies(
+    method: Callable[Concatenate[AsyncKVStoreClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[KVStoreClient, P], T]:
+    """Like :func:`_blocking`, for a method that copies to or from CUDA tensors on its
+    ``stream``: unless the caller names one, it is the caller's current stream, taken here on
+    the caller's thread (the client's loop thread has only the default stream)."""
+
+    def call(self: KVStoreClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        if kwargs.get("stream") is None:
+            kwargs["stream"] = caller_stream()
         return self._run(method(self._client, *args, **kwargs))
 
     functools.update_wrapper(call, method)
@@ -193,8 +210,8 @@ class KVStoreClient:
     register = _blocking(AsyncKVStoreClient.register)
     lookup = _blocking(AsyncKVStoreClient.lookup)
     lookup_tiers = _blocking(AsyncKVStoreClient.lookup_tiers)
-    get = _blocking(AsyncKVStoreClient.get)
-    put = _blocking(AsyncKVStoreClient.put)
+    get = _blocking_copies(AsyncKVStoreClient.get)
+    put = _blocking_copies(AsyncKVStoreClient.put)
     prefetch = _blocking(AsyncKVStoreClient.prefetch)
     delete = _blocking(AsyncKVStoreClient.delete)
     stats = _blocking(AsyncKVStoreClient.stats)

@@ -11,7 +11,9 @@ only exist once torch has been imported, so the client looks for tensors only th
   tensor is copied to the host); :func:`host_span`: where a CPU tensor's bytes lie;
 - :func:`over`: a uint8 CPU tensor sharing a numpy array's memory (read-only arrays too);
 - :func:`copy_all`: copies between host and device tensors, asynchronous from pinned memory,
-  all finished when it returns;
+  all finished when it returns; on CUDA queued on the stream the caller names
+  (:func:`kvstore.client.shm.caller_stream`: the stream current where the client's call was
+  made, not on the client's loop or copy threads);
 - :func:`register_host` / :func:`unregister_host`: ``cudaHostRegister`` of a host range so
   that copies from it to the GPU are DMA, and kernels can read it over the host link;
 - :class:`HostMapped` names such a range as a kernel argument; :class:`HostBlocks` is where
@@ -20,6 +22,7 @@ only exist once torch has been imported, so the client looks for tensors only th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -43,6 +46,7 @@ __all__ = [
     "flat_bytes",
     "host_bytes",
     "host_span",
+    "on_stream",
     "over",
     "register_host",
     "unregister_host",
@@ -133,11 +137,13 @@ def host_span(tensor: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
     return tensor.data_ptr(), tensor.nbytes, tensor
 
 
-def host_bytes(tensor: torch.Tensor) -> Bytes:
-    """A contiguous tensor's bytes in host memory: a view of a CPU tensor, a copy of another."""
+def host_bytes(tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Bytes:
+    """A contiguous tensor's bytes in host memory: a view of a CPU tensor, a copy of another
+    (from CUDA: queued on ``stream``, default this thread's current one, and waited for)."""
     flat = flat_bytes(tensor)
     if isinstance(flat, torch.Tensor):
-        array: Bytes = flat.cpu().numpy()
+        with on_stream(stream):
+            array: Bytes = flat.cpu().numpy()
         return array
     return flat
 
@@ -152,20 +158,41 @@ def empty(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
-def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, pinned: bool) -> None:
+def copy_all(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    pinned: bool,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
     """``dst.copy_(src)`` for each ``(src, dst)`` pair of flat uint8 tensors, one of them on a
     device; with ``pinned`` (the host side is page-locked) copies between it and CUDA, either
     way, are queued without waiting, and all are finished when this returns (the host memory
-    holds the bytes, or may be reused)."""
+    holds the bytes, or may be reused).
+
+    On CUDA the copies are queued on ``stream`` (for tensors on its device; default, and on
+    other devices: this thread's current stream), after the work already queued there, and
+    this waits for the copies alone (an event recorded after them), not for later work.
+    """
     waiting: set[torch.device] = set()
-    for src, dst in pairs:
-        device = dst.device if dst.is_cuda else src.device
-        non_blocking = pinned and device.type == "cuda" and (src.is_cuda != dst.is_cuda)
-        dst.copy_(src, non_blocking=non_blocking)
-        if non_blocking:
-            waiting.add(device)
-    for device in waiting:
-        torch.cuda.current_stream(device).synchronize()
+    with on_stream(stream):
+        for src, dst in pairs:
+            device = dst.device if dst.is_cuda else src.device
+            non_blocking = pinned and device.type == "cuda" and (src.is_cuda != dst.is_cuda)
+            dst.copy_(src, non_blocking=non_blocking)
+            if non_blocking:
+                waiting.add(device)
+        for device in waiting:
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(torch.cuda.current_stream(device))
+            copied.synchronize()
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """Makes ``stream`` this thread's current stream on its device meanwhile; nothing for
+    None."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
 
 
 def cuda_ready() -> bool:

@@ -30,7 +30,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from google.protobuf.message import Message
 
@@ -40,6 +40,9 @@ from kvstore.client.errors import FailedPreconditionError, KVStoreError
 from kvstore.client.shm import Arena, Payload, ShmSession, TargetT
 from kvstore.client.wire import Slots, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Leased", "acquire", "end_lease", "get_stream", "put_shm", "put_stream", "release"]
 
@@ -136,13 +139,15 @@ async def get_stream(
     out: Sequence[TargetT] | None,
     *,
     verify: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> list[bytes] | list[TargetT]:
-    """The leading held blocks through the Get stream (retried whole: it only reads)."""
+    """The leading held blocks through the Get stream (retried whole: it only reads); chunks
+    into CUDA tensors are copied on ``stream``."""
     request = pb.GetRequest(namespace=digest, keys=keys)
 
     async def collect() -> list[bytes] | list[TargetT]:
         call = conn.stub.Get(request, metadata=conn.metadata, timeout=conn.timeout)
-        return await wire.assemble(call, len(keys), size, out, verify=verify)
+        return await wire.assemble(call, len(keys), size, out, verify=verify, stream=stream)
 
     return await conn.retrying("Get", collect, idempotent=True)
 
@@ -156,9 +161,10 @@ async def put_shm(
     size: int,
     *,
     verify: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> list[WriteStatus]:
     """Reserve -> write -> Commit, in batches that fit the staging area; one final status
-    per block of ``size`` bytes.
+    per block of ``size`` bytes. Blocks on CUDA are copied out on ``stream``.
 
     The batches form a pipeline: while this process copies batch k into the staging area
     (one batch at a time, in order, on half the copy lanes), the daemon copies batch k - 1
@@ -186,7 +192,7 @@ async def put_shm(
                 held[i].set()
                 return await _put_batch(
                     conn, session, digest, specs[part], blocks[part], size, verify,
-                    after=copied[i - 1] if i else None, copied=copied[i],
+                    after=copied[i - 1] if i else None, copied=copied[i], stream=stream,
                 )  # fmt: skip
         finally:
             held[i].set()
@@ -207,6 +213,7 @@ async def _put_batch(
     *,
     after: asyncio.Event | None = None,
     copied: asyncio.Event | None = None,
+    stream: torch.cuda.Stream | None = None,
 ) -> list[WriteStatus]:
     """One batch: Reserve; once ``after`` is set (the batch before is copied), the copy into
     the staging area, then ``copied`` is set; Commit."""
@@ -231,7 +238,8 @@ async def _put_batch(
             if after is not None:
                 await after.wait()
             try:
-                await session.staging.copy_in(slots, [blocks[index] for index in reserved])
+                sources = [blocks[index] for index in reserved]
+                await session.staging.copy_in(slots, sources, stream)
             finally:
                 if copied is not None:
                     copied.set()
@@ -262,9 +270,13 @@ async def put_stream(
     blocks: Sequence[Payload],
     *,
     verify: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> list[WriteStatus]:
-    """The Put stream; one final status per block."""
-    chunks = wire.put_chunks(digest, specs, blocks, conn.info.chunk_bytes, checksums=verify)
+    """The Put stream; one final status per block. Blocks on CUDA are copied out on
+    ``stream``."""
+    chunks = wire.put_chunks(
+        digest, specs, blocks, conn.info.chunk_bytes, checksums=verify, stream=stream
+    )
     reply = await conn.unary("Put", chunks, pb.PutResponse)
     return wire.write_statuses(reply.statuses, len(specs))
 

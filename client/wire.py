@@ -153,13 +153,14 @@ def put_chunks(
     chunk_bytes: int,
     *,
     checksums: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> Iterator[PutChunk]:
     """The Put stream: namespace on the first chunk, a block's spec (and, with
     ``checksums``, its xxh3-64) on its first chunk. Each chunk's data is a view of the
     block, copied once, into the message (``kvstore.wire.chunks.encode_put``)."""
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     for number, (spec, block) in enumerate(zip(specs, blocks, strict=True)):
-        data = _host_bytes(block).data.cast("B")
+        data = _host_bytes(block, stream).data.cast("B")
         for start in range(0, max(len(data), 1), chunk_bytes):
             first = start == 0
             yield PutChunk(
@@ -273,9 +274,11 @@ async def assemble(
     out: Sequence[TargetT] | None,
     *,
     verify: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> list[bytes] | list[TargetT]:
-    """The blocks of a Get stream, new bytes or copied into ``out``; checks their order, and
-    with ``verify`` each block's bytes against the checksum the daemon sent with it."""
+    """The blocks of a Get stream, new bytes or copied into ``out`` (a CUDA tensor on
+    ``stream``); checks their order, and with ``verify`` each block's bytes against the
+    checksum the daemon sent with it."""
     blocks: list[bytes] = []
     parts: list[bytes | memoryview] = []
     target: memoryview | torch.Tensor | None = None
@@ -298,7 +301,7 @@ async def assemble(
         elif length:
             if target is None:
                 target = _landing(out[done])
-            _copy_chunk(target, filled, data)
+            _copy_chunk(target, filled, data, stream)
         filled += length
         if chunk.last:
             if filled != size:
@@ -314,12 +317,12 @@ async def assemble(
     return blocks if out is None else list(out[:done])
 
 
-def _host_bytes(block: Payload) -> Bytes:
+def _host_bytes(block: Payload, stream: torch.cuda.Stream | None) -> Bytes:
     """A block's bytes in host memory: a view, or a copy of a tensor on a device."""
     if is_tensor(block):
         from kvstore.client import tensors
 
-        return tensors.host_bytes(block)
+        return tensors.host_bytes(block, stream)
     return buffer_bytes(block)
 
 
@@ -329,7 +332,12 @@ def _landing(target: Target) -> memoryview | torch.Tensor:
     return flat.data if isinstance(flat, np.ndarray) else flat
 
 
-def _copy_chunk(target: memoryview | torch.Tensor, start: int, data: bytes | memoryview) -> None:
+def _copy_chunk(
+    target: memoryview | torch.Tensor,
+    start: int,
+    data: bytes | memoryview,
+    stream: torch.cuda.Stream | None,
+) -> None:
     # One memcpy on this thread for host memory: torch's copy_ splits a 1 MiB chunk over its
     # intra-op threads, which costs more than the copy when the daemon busies the other core.
     if isinstance(target, memoryview):
@@ -338,4 +346,5 @@ def _copy_chunk(target: memoryview | torch.Tensor, start: int, data: bytes | mem
         from kvstore.client import tensors
 
         chunk = tensors.over(np.frombuffer(data, dtype=np.uint8))
-        target[start : start + len(data)].copy_(chunk)
+        with tensors.on_stream(stream):
+            target[start : start + len(data)].copy_(chunk)

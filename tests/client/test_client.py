@@ -262,9 +262,9 @@ async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
         in_flight = most = 0
         copy_in, unary = session.staging.copy_in, client._conn.unary
 
-        async def spy_copy(slots, sources):  # type: ignore[no-untyped-def]
+        async def spy_copy(slots, sources, stream=None):  # type: ignore[no-untyped-def]
             copied.extend(blocks.index(source) for source in sources)
-            await copy_in(slots, sources)
+            await copy_in(slots, sources, stream)
 
         async def spy_unary(method, request, reply):  # type: ignore[no-untyped-def]
             nonlocal in_flight, most
