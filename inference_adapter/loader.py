@@ -26,12 +26,12 @@ pages the engine reserved, one layer at a time, on a worker thread, while the en
 
 CUDA: a load's layer copies run on a side stream that ``start`` makes wait for the engine's
 stream; each layer records a CUDA event that the engine's stream waits on (``wait`` enqueues
-the wait; it does not synchronise the host). The lease ends only once the side stream is done.
+the wait; it does not synchronise the host): :class:`~kvstore.inference_adapter.transfer.
+LayerSignals`, as in vLLM's worker. The lease ends only once the side stream is done.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -43,7 +43,12 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace
 from kvstore.client.tensors import HostBlocks
-from kvstore.inference_adapter.transfer import LayerWriter, engine_layers, staging_for
+from kvstore.inference_adapter.transfer import (
+    LayerSignals,
+    LayerWriter,
+    engine_layers,
+    staging_for,
+)
 from kvstore.kernels.dispatch import load_blocks
 from kvstore.kernels.rope import RopeTables, apply_rope
 
@@ -162,7 +167,7 @@ class LayerLoad:
         self._moves = moves
         self._hold_s = hold_s
         self.deadline = math.inf  # set by start
-        self.ready = [threading.Event() for _ in range(pool.num_layers)]
+        self._signals = LayerSignals(pool.num_layers)
         self.failed = False
         self.num_blocks = len(self._keys)  # loaded (fewer when the daemon or start says so)
         self._cancelled = False
@@ -170,8 +175,6 @@ class LayerLoad:
         self._pool_lock = threading.Lock()
         self._given = threading.Event()  # start or cancel ran
         self._pages: torch.Tensor | None = None
-        self._stream: torch.cuda.Stream | None = None
-        self._cuda_events: list[torch.cuda.Event] = []
 
     def start(self, pages: torch.Tensor, deadline: float) -> bool:
         """Loads the first ``len(pages)`` blocks into ``pages`` (``[n, block_tokens //
@@ -189,10 +192,7 @@ class LayerLoad:
             self._pages = pages
             self.num_blocks = min(self.num_blocks, pages.size(0))
             self.deadline = deadline
-            if self._pool.kv_pool.is_cuda:
-                device = self._pool.kv_pool.device
-                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                self._stream.wait_stream(torch.cuda.current_stream(device))
+            self._signals.after_engine(self._pool.kv_pool.device)
             self._given.set()
         return True
 
@@ -215,11 +215,8 @@ class LayerLoad:
     def wait(self, layer: int) -> bool:
         """Blocks until ``layer`` is in the pool; ``False`` (and the load cancelled) on a
         failure or past the deadline."""
-        ready = self.ready[layer].wait(max(0.0, self.deadline - time.monotonic()))
-        if ready and not self.failed:
-            if self._stream is not None:
-                stream = torch.cuda.current_stream(self._pool.kv_pool.device)
-                stream.wait_event(self._cuda_events[layer])
+        timeout = max(0.0, self.deadline - time.monotonic())
+        if self._signals.wait(layer, timeout) and not self.failed:
             return True
         self.cancel()
         return False
@@ -230,10 +227,8 @@ class LayerLoad:
             self._cancelled = True
             self.failed = True
             self._given.set()  # a fetch waiting for pages lets its blocks go
-        if self._stream is not None:
-            self._stream.synchronize()  # copies already queued must land before a recompute
-        for event in self.ready:
-            event.set()
+        self._signals.synchronize()  # copies already queued must land before a recompute
+        self._signals.release_all()
 
     def _run_in_place(self) -> None:
         """A prefix hit: every layer straight from where the blocks lie into the pages."""
@@ -246,15 +241,14 @@ class LayerLoad:
                 return
             n = self.num_blocks
             blocks = HostBlocks(leased.source, leased.offsets[:n], leased.mapped)
-            with self._device_work():
+            with self._signals.writing():
                 writer = LayerWriter(
                     [(blocks, pages)], engine_layers(self._pool.kv_pool), layer_bytes
                 )
                 for layer in range(self._pool.num_layers):
                     if not self._write_layer(layer, writer.write):
                         break
-            if self._stream is not None:
-                self._stream.synchronize()  # the lease ends on exit
+            self._signals.synchronize()  # the lease ends on exit
 
     def _run_moved(self, moves: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Blocks placed elsewhere than they were computed: downloaded into a staging
@@ -276,7 +270,7 @@ class LayerLoad:
             blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
             load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], slots)
 
-        with self._device_work():
+        with self._signals.writing():
             for layer in range(self._pool.num_layers):
                 if not self._write_layer(layer, write):
                     break
@@ -292,22 +286,13 @@ class LayerLoad:
                 return None
             return self._pages
 
-    def _device_work(self) -> contextlib.AbstractContextManager[object]:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream)
-
     def _write_layer(self, layer: int, write: Callable[[int], None]) -> bool:
         """``write(layer)`` into the pool, then ``ready[layer]``; ``False`` once cancelled."""
         with self._pool_lock:
             if self._cancelled:
                 return False
             write(layer)
-            if self._stream is not None:
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self._stream)
-                self._cuda_events.append(event)
-        self.ready[layer].set()
+            self._signals.written(layer)
         return True
 
     def _fetched(self) -> None:
@@ -328,5 +313,4 @@ class LayerLoad:
 
     def _fail(self) -> None:
         self.failed = True
-        for event in self.ready:
-            event.set()
+        self._signals.release_all()

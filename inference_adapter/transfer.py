@@ -16,12 +16,18 @@ every block into its pages in one step:
   and the same kernel scatters them on the device;
 - CPU: each run of consecutive pages is copied straight from the arena (one copy per byte).
 
-On CUDA the work is queued on the current stream; the caller orders it (a side stream and
-one event per layer) and must not release the lease before it is done.
+On CUDA the work is queued on the current stream; the caller orders it and must not release
+the lease before it is done. :class:`LayerSignals` is that ordering, the same for every
+engine: made on the engine's thread, it gives the load a side stream that first waits for the
+engine's stream (earlier users of the pages); after each layer the load records a CUDA event
+there and sets the layer's flag, and the engine's wait for layer ``i`` makes its own stream
+wait on event ``i`` (the host blocks only until the layer is queued, not done).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +37,7 @@ from kvstore.client import Namespace
 from kvstore.client.tensors import HostBlocks
 from kvstore.kernels.transfer import DeviceReadable, load_layer
 
-__all__ = ["LayerKV", "LayerWriter", "engine_layers", "staging_for"]
+__all__ = ["LayerKV", "LayerSignals", "LayerWriter", "engine_layers", "staging_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,64 @@ class LayerWriter:
         staged = torch.stack(slices).to(device).view(-1)
         offsets = torch.arange(len(slices), dtype=torch.int64, device=device) * size
         return staged, offsets
+
+
+class LayerSignals:
+    """Per layer, "written": a flag the load thread sets, and on CUDA the event the engine's
+    stream waits on (see the module docstring).
+
+    Args:
+        num_layers: Layers the load writes.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.ready = [threading.Event() for _ in range(num_layers)]
+        self._stream: torch.cuda.Stream | None = None
+        self._events: list[torch.cuda.Event | None] = [None] * num_layers
+
+    def after_engine(self, device: torch.device) -> None:
+        """Call on the engine's thread before the first write, with the pages' device: on
+        CUDA the writes then go on a side stream that first waits for what this thread's
+        current stream queued so far (earlier users of the pages)."""
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+
+    def writing(self) -> contextlib.AbstractContextManager[object]:
+        """The load's writes go on the side stream meanwhile (on the CPU: nothing)."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def written(self, layer: int) -> None:
+        """Layer ``layer`` is queued: its event is recorded after it, then its flag set."""
+        if self._stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+            self._events[layer] = event
+        self.ready[layer].set()
+
+    def release_all(self) -> None:
+        """Sets every flag (the load failed or ended early): nobody waits any more."""
+        for flag in self.ready:
+            flag.set()
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for layer ``layer``'s flag; once it is set and the
+        layer was written, the caller's current stream waits for the layer's event. ``False``
+        on timeout."""
+        if not self.ready[layer].wait(timeout):
+            return False
+        event = self._events[layer]
+        if event is not None and self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(event)
+        return True
+
+    def synchronize(self) -> None:
+        """Returns once every write queued so far is done (before a lease ends, or before
+        the engine recomputes pages a cancelled load was writing)."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
 
 def staging_for(

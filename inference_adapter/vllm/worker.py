@@ -8,11 +8,16 @@ Per step, in vLLM's order:
    then writes layer after layer into vLLM's blocks with the engine-neutral
    :class:`~kvstore.inference_adapter.transfer.LayerWriter` (on CUDA one kernel per layer
    reading the registered arena; stored K is after RoPE, at the positions it goes back to),
-   setting ``ready[i]`` after layer ``i``. vLLM computes layer ``i`` meanwhile.
+   flagging layer ``i`` once it is queued. vLLM computes layer ``i`` meanwhile. On CUDA the
+   writes go on a side stream that first waits for vLLM's stream as ``start`` found it, with
+   one event per layer (:class:`~kvstore.inference_adapter.transfer.LayerSignals`, as in our
+   engine's loader).
 2. ``wait_layer(i)`` (vLLM's ``wait_for_layer_load``, before layer ``i``'s attention):
-   returns when layer ``i`` is written. A failure or the deadline cancels the load: from then
+   returns when layer ``i`` is queued, having made vLLM's current stream wait for its event
+   (the host does not wait for the copy). A failure or the deadline cancels the load: from then
    on the thread never writes vLLM's tensors again (each layer write holds a lock that
-   cancelling takes), and every vLLM block the load was to fill is reported by
+   cancelling takes, and the writes already queued land first), and every vLLM block the
+   load was to fill is reported by
    ``take_failed_blocks`` so vLLM recomputes those tokens (``kv_load_failure_policy:
    "recompute"``).
 3. ``capture(i, saves)`` (vLLM's ``save_kv_layer``, after layer ``i``'s attention): copies
@@ -48,7 +53,7 @@ import torch
 from kvstore.client import KVStoreClient, Namespace, WriteStatus
 from kvstore.client.tensors import HostBlocks
 from kvstore.inference_adapter.saver import SaveJob, SaveQueue
-from kvstore.inference_adapter.transfer import LayerKV, LayerWriter, staging_for
+from kvstore.inference_adapter.transfer import LayerKV, LayerSignals, LayerWriter, staging_for
 from kvstore.inference_adapter.vllm.layout import gather
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
@@ -83,7 +88,7 @@ class _Load:
     """One step's loads, run by one thread."""
 
     specs: tuple[LoadSpec, ...]
-    ready: list[threading.Event]
+    signals: LayerSignals
     deadline: float
     failed: bool = False
     cancelled: bool = False
@@ -134,11 +139,9 @@ class WorkerSide:
         if not plan.loads:
             self._load = None
             return
-        load = _Load(
-            plan.loads,
-            [threading.Event() for _ in self.layers],
-            deadline=time.monotonic() + self.load_timeout_s,
-        )
+        signals = LayerSignals(len(self.layers))
+        signals.after_engine(self.device)  # on vLLM's thread: after what its stream queued
+        load = _Load(plan.loads, signals, deadline=time.monotonic() + self.load_timeout_s)
         self._load = load
         self.counts["load_blocks"] += sum(len(spec.keys) for spec in plan.loads)
         self._threads.submit(self._run_load, load)
@@ -148,7 +151,7 @@ class WorkerSide:
         load = self._load
         if load is None:
             return
-        ready = load.ready[layer].wait(max(0.0, load.deadline - time.monotonic()))
+        ready = load.signals.wait(layer, max(0.0, load.deadline - time.monotonic()))
         if not ready or load.failed:
             self._cancel(load, "timed out" if not ready else "failed")
 
@@ -166,8 +169,7 @@ class WorkerSide:
             blocks = sum(len(spec.keys) for spec in load.specs)
             log.warning("kvstore load of %d blocks failed (%s); vLLM recomputes", blocks, error)
             load.failed = True
-            for event in load.ready:
-                event.set()
+            load.signals.release_all()
 
     def _load_from(self, client: KVStoreClient, load: _Load) -> None:
         """Leases each request's blocks, then writes them layer by layer. A request whose
@@ -195,18 +197,19 @@ class WorkerSide:
 
     def _write_layers(self, load: _Load, groups: Sequence[tuple[HostBlocks, torch.Tensor]]) -> None:
         if not groups:
-            for event in load.ready:
-                event.set()
+            load.signals.release_all()
             return
-        writer = LayerWriter(groups, self.layers, self.namespace.model.layout().layer_bytes)
-        for index in range(len(self.layers)):
-            with self._write_lock:
-                if load.cancelled:
-                    return
-                writer.write(index)
-            load.ready[index].set()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the leases end on return
+        try:
+            with load.signals.writing():
+                writer = LayerWriter(groups, self.layers, self.namespace.model.layout().layer_bytes)
+                for index in range(len(self.layers)):
+                    with self._write_lock:
+                        if load.cancelled:
+                            return
+                        writer.write(index)
+                        load.signals.written(index)
+        finally:
+            load.signals.synchronize()  # the leases end on return
 
     def _pages(self, spec: LoadSpec) -> torch.Tensor:
         """vLLM block ids ``[n, per_block]`` of each stored block's parts; -1 for the parts
@@ -226,6 +229,7 @@ class WorkerSide:
                 for index, block in enumerate(spec.block_ids):
                     if spec.first_block * per + index >= spec.skip_before:
                         self._failed_blocks.add(block)
+        load.signals.synchronize()  # writes already queued land before vLLM recomputes
         self.counts["failed_loads"] += 1
         log.debug("kvstore load %s; %d vLLM blocks recomputed", why, len(self._failed_blocks))
 

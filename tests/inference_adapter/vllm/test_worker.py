@@ -203,3 +203,50 @@ def test_saving_more_than_the_queue_holds_drops_and_counts(daemon: Daemon) -> No
     with KVStoreClient(daemon.address) as client:
         assert client.lookup(namespace, keys) == 2  # the first two blocks of the chain
     worker.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_load_is_ordered_with_vllms_own_stream_both_ways(daemon: Daemon) -> None:
+    # vLLM computes on a stream of its own. Queued there before the step: a long kernel, then
+    # an earlier user of the pages writing them. The load must land after that write, and
+    # what vLLM reads after wait_layer (on its stream) must be the loaded KV: a load on any
+    # other stream without events would land first and be overwritten, or be read too soon.
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, "cuda-streams")
+    keys = block_keys(list(range(3, 3 + 2 * BLOCK_TOKENS)), namespace)
+    source_ids, target_ids = (3, 9, 1, 12), (10, 2, 14, 4)
+    saver, source = worker_for(daemon, namespace, "packed", "cuda")
+
+    def compute(layer: int) -> None:
+        for vllm_index, block in enumerate(source_ids):
+            for kv, part in enumerate((source[layer].k, source[layer].v)):
+                part[block] = content(layer, kv, SIZE, vllm_index * SIZE).cuda()
+
+    step(saver, StepPlan(saves=(SaveSpec("r", tuple(keys), ROOT_KEY, 0, source_ids),)), compute)
+    assert saver.wait_for_saves(30.0) and saver.save_counts()["stored"] == 2
+    saver.close()
+
+    loader, target = worker_for(daemon, namespace, "packed", "cuda", timeout_s=30.0)
+    seen: list[list[torch.Tensor]] = []
+    vllm_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(vllm_stream):
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[attr-defined]
+        for layer in target:
+            layer.k.fill_(-1.0)
+            layer.v.fill_(-1.0)
+
+        def read(layer: int) -> None:  # vLLM's attention reading the loaded pages
+            seen.append([target[layer].k[list(target_ids)].clone()])
+
+        load = LoadSpec("r2", tuple(keys), 0, target_ids, skip_before=0)
+        step(loader, StepPlan(loads=(load,)), read)
+    torch.cuda.synchronize()
+    assert loader.take_failed_blocks() == set()
+    for layer in range(LAYERS):
+        expected = torch.stack(
+            [content(layer, 0, SIZE, i * SIZE) for i in range(len(target_ids))]
+        ).cuda()
+        assert torch.equal(seen[layer][0], expected), f"layer {layer} read before it landed"
+        assert torch.equal(target[layer].k[list(target_ids)], expected)
+    loader.close()
