@@ -255,7 +255,10 @@ class LayerLoad:
         buffer, K re-rotated by the shift, then scattered layer by layer."""
         device = self._pool.kv_pool.device
         staging = staging_for(self._namespace, len(self._keys), device)
-        got = self._client.get(self._namespace, self._keys, out=list(staging))
+        download = None  # on CUDA a stream of its own: this thread's default one would queue
+        if device.type == "cuda":  # behind the engine's work
+            download = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        got = self._client.get(self._namespace, self._keys, out=list(staging), stream=download)
         self._found(len(got))
         self._fetched()
         pages = self._wait_for_pages()
