@@ -133,8 +133,8 @@ class ArenaPlane:
             for key in keys:
                 tried += 1
                 node = find(key, namespace)
-                if node is not None and node.committed and not node.doomed and top in node.tiers:
-                    node.leases += 1  # so that promoting later blocks cannot evict this one
+                if node is not None and node.live and top in node.tiers:
+                    node.hold()  # so that promoting later blocks cannot evict this one
                     nodes.append(node)
                     node.hits += 1
                     node.last_access = now
@@ -147,7 +147,7 @@ class ArenaPlane:
                     if node is None:
                         misses += 1
                         break
-                    node.leases += 1
+                    node.hold()
                     nodes.append(node)
                     slot = await self._into_arena(node)
                 if slot is None:
@@ -160,7 +160,7 @@ class ArenaPlane:
             raise
         finally:
             for node in nodes:
-                node.leases -= 1
+                node.let_go()
             placement.count_gets(tried, misses)
             if hits:  # as Placement.record_hit counts each, for the whole call at once
                 counts = placement.counts
@@ -382,12 +382,8 @@ class ArenaPlane:
     async def _write_through(self, entry: _Reservation) -> None:
         """Copies a landed block to the tiers that write at put time, then makes it visible."""
         node = entry.node
-        node.busy += 1
-        try:
-            with self._host.view(entry.slot) as payload:
-                await self._placement.write_through(node, payload)
-        finally:
-            node.busy -= 1
+        with node.working(), self._host.view(entry.slot) as payload:
+            await self._placement.write_through(node, payload)
         self._visible(node)
 
     def _visible(self, node: Node) -> None:

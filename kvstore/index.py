@@ -38,6 +38,7 @@ Nodes and the dicts holding them are untracked by the cyclic garbage collector
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
@@ -67,7 +68,13 @@ class BlockMeta:
 
 @dataclass(slots=True, eq=False)
 class Node:
-    """One block in the index."""
+    """One block in the index.
+
+    Its lifetime fields change only through its methods: ``committed`` (:meth:`mark_committed`,
+    by the index), ``doomed`` (:meth:`doom`, :meth:`revive`), ``leases`` (:meth:`hold`,
+    :meth:`let_go`), ``busy`` (:meth:`working`) and ``flights`` (:meth:`start_flight`,
+    :meth:`end_flight`); :attr:`live` and :attr:`idle` are what callers ask of them.
+    """
 
     key: bytes
     parent: bytes
@@ -97,7 +104,66 @@ class Node:
 
     @property
     def pinned(self) -> bool:
+        """A lease holds it or a tier copy of it is in flight: it is not evicted."""
         return self.leases > 0 or self.busy > 0
+
+    @property
+    def live(self) -> bool:
+        """Visible to readers: committed and not deleted."""
+        return self.committed and not self.doomed
+
+    @property
+    def idle(self) -> bool:
+        """Nothing holds it: no lease, no tier copy and no flight in progress."""
+        return not (self.leases or self.busy or self.flights)
+
+    def mark_committed(self) -> None:
+        """Its write is done: it becomes visible (the index's ``commit``)."""
+        self.committed = True
+
+    def doom(self) -> None:
+        """Deleted: hidden at once, removed once nothing holds it."""
+        self.doomed = True
+
+    def revive(self, now: float) -> None:
+        """Put again (a dedup put): not deleted any more, and accessed ``now``."""
+        self.doomed = False
+        self.last_access = now
+
+    def hold(self) -> None:
+        """A lease or a read in progress holds it until :meth:`let_go`."""
+        self.leases += 1
+
+    def let_go(self) -> None:
+        """Ends one :meth:`hold`.
+
+        Raises:
+            RuntimeError: it was not held (a bookkeeping bug, not a request error).
+        """
+        if self.leases <= 0:
+            raise RuntimeError(f"block {self.id.hex()} let go more often than held")
+        self.leases -= 1
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """A tier copy of it is in flight meanwhile (it is not evicted)."""
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+
+    def flight(self, what: str) -> asyncio.Task[bool] | None:
+        """The tier write or promotion ``what`` in flight, if any."""
+        return self.flights.get(what)
+
+    def start_flight(self, what: str, task: asyncio.Task[bool]) -> None:
+        self.flights[what] = task
+
+    def end_flight(self, what: str, task: asyncio.Task[bool] | None) -> None:
+        """``task`` (``what``) has ended; a later flight of the same ``what`` stays."""
+        if self.flights.get(what) is task:
+            del self.flights[what]
 
 
 # Every node's ``tiers`` is one of these shared frozensets: a node is then one object the
@@ -169,7 +235,7 @@ class BlockIndex:
 
     def committed(self, block: bytes) -> Node | None:
         node = self._nodes.get(block)
-        return node if node is not None and node.committed and not node.doomed else None
+        return node if node is not None and node.live else None
 
     def begin(self, key: bytes, parent: bytes, meta: BlockMeta, size: int) -> Node:
         """Adds a pending node. The caller checked that the key is not in the namespace.
@@ -279,7 +345,7 @@ class BlockIndex:
 
     def commit(self, block: bytes) -> Node:
         node = self._nodes[block]
-        node.committed = True
+        node.mark_committed()
         return node
 
     def discard(self, block: bytes) -> None:
@@ -329,7 +395,7 @@ class BlockIndex:
         start = 0
         for key in keys:  # the checks of committed() inline: this runs per lookup key
             node = space.get(key)
-            if node is None or not node.committed or node.doomed:
+            if node is None or not node.live:
                 break
             tiers = node.tiers
             if tiers is not last:  # tier sets are shared objects (see _tier_set)

@@ -97,7 +97,7 @@ class LeaseTable:
             raise InvalidRequestError(f"lease id {lease_id} is in use; choose another")
         expires_at = time.monotonic() + (self.default_ttl if ttl is None or ttl <= 0 else ttl)
         for node in nodes:
-            node.leases += 1
+            node.hold()
         self._entries[key] = _Entry(tuple(n.id for n in nodes), tuple(slots), expires_at)
         self._per_owner[owner] += 1
         return Lease(lease_id, len(nodes), expires_at)
@@ -147,7 +147,7 @@ class LeaseTable:
         for block in entry.blocks:
             node = get(block)
             if node is not None:
-                node.leases -= 1
+                node.let_go()
                 if node.doomed or not node.tiers:  # else settling it would do nothing
                     await settle(node)
 

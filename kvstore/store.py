@@ -279,7 +279,7 @@ class BlockStore:
         if node is None:
             self._placement.count_gets(1, 1)
             return None
-        node.leases += 1
+        node.hold()
         try:
             found = await self._placement.read_any(node)
             if found is not None:
@@ -289,7 +289,7 @@ class BlockStore:
                     await self._placement.promote(node, payload)
                 await self._placement.write_selective(node, payload)
         finally:
-            node.leases -= 1
+            node.let_go()
         await self._placement.settle(node)
         self._placement.count_gets(1, int(found is None))
         if found is None:
@@ -303,7 +303,7 @@ class BlockStore:
         if node is None:
             return None
         offset, length = node.meta.layout.layer_range(layer)
-        node.leases += 1
+        node.hold()
         try:
             for level in self._tiers:
                 if level.name in node.tiers:
@@ -312,7 +312,7 @@ class BlockStore:
                         return data
             return None
         finally:
-            node.leases -= 1
+            node.let_go()
             await self._placement.settle(node)
 
     # -- writes -----------------------------------------------------------------------------
@@ -352,15 +352,13 @@ class BlockStore:
             return PutStatus.DEDUP
         node = self.index.begin(key, parent, meta, memoryview(payload).nbytes)
         node.checksum = found
-        node.busy += 1
         try:
-            stored = await self._placement.store_in(self._tiers[0], node, payload)
-            stored = await self._placement.write_through(node, payload) or stored
+            with node.working():
+                stored = await self._placement.store_in(self._tiers[0], node, payload)
+                stored = await self._placement.write_through(node, payload) or stored
         except BaseException:
-            node.busy -= 1
             await self._forget(node)
             raise
-        node.busy -= 1
         if not stored:
             await self._forget(node)
             self._counts["dropped_saves"] += 1
@@ -390,7 +388,7 @@ class BlockStore:
             return 0
         nodes = self.index.subtree(root.id)
         for node in nodes:
-            node.doomed = True
+            node.doom()
         for node in nodes:
             await self._placement.settle(node)
         return len(nodes)
@@ -408,7 +406,7 @@ class BlockStore:
         per_tier: Counter[str] = Counter()
         budget = LoopBudget()
         for node in self.index.in_namespace(namespace):
-            if node.committed and not node.doomed:
+            if node.live:
                 blocks += 1
                 size += node.size
                 per_tier.update(node.tiers)
@@ -422,7 +420,7 @@ class BlockStore:
         self._check_open()
         nodes = [node for node in self.index.in_namespace(namespace) if node.committed]
         for node in nodes:
-            node.doomed = True
+            node.doom()
         budget = LoopBudget()
         for node in nodes:
             await self._placement.settle(node)
@@ -442,7 +440,7 @@ class BlockStore:
         due = [
             node
             for node in self.index.nodes()
-            if node.tiers == {top.name} and node.committed and not node.doomed
+            if node.tiers == {top.name} and node.live
             and lower.write.admits_demotion(node.hits)
         ]  # fmt: skip
         if due:

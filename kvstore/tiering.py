@@ -131,20 +131,18 @@ class Placement:
         The work runs as a task of its own: a cancelled caller stops waiting, the others (and
         the bookkeeping of the work itself) are not cancelled with it.
         """
-        flights = node.flights
-        task = flights.get(what)
+        task = node.flight(what)
         if task is None:
 
             async def run() -> bool:
                 try:
                     return await work()
                 finally:
-                    if flights.get(what) is task:
-                        del flights[what]
+                    node.end_flight(what, task)
                     await self.settle(node)
 
             task = asyncio.ensure_future(run())
-            flights[what] = task
+            node.start_flight(what, task)
             self.pending.add(task)
             task.add_done_callback(self._landed)
         return await asyncio.shield(task)
@@ -165,8 +163,7 @@ class Placement:
     async def _store(self, level: StoreTier, node: Node, payload: Buffer) -> bool:
         if level.name in node.tiers:
             return True
-        node.busy += 1
-        try:
+        with node.working():
             blob = await self.encode(level, node, payload)
             tier, capacity = level.tier, level.tier.capacity()
             while True:
@@ -175,8 +172,6 @@ class Placement:
                 if not tier.healthy() or not await self.evict_one(level):
                     self.counts[f"failed_writes.{level.name}"] += 1
                     return False
-        finally:
-            node.busy -= 1
         self.index.add_copy(node, level.name)
         self.counts[f"written_bytes.{level.name}"] += len(blob)
         return True
@@ -327,8 +322,7 @@ class Placement:
         top = self.tiers[0]
         if top.name in node.tiers:
             return True
-        node.busy += 1
-        try:
+        with node.working():
             if payload is None:
                 found = await self.read_any(node)
                 if found is None:
@@ -340,15 +334,13 @@ class Placement:
                 return False
             self.counts["promotions"] += 1
             return True
-        finally:
-            node.busy -= 1
 
     async def held(self, key: bytes, namespace: bytes) -> Node | None:
         """The committed block of ``key`` in ``namespace``, found locally or in a shared tier;
         ``None`` on a miss."""
         node = self.index.find(key, namespace)
         if node is not None:
-            return node if node.committed and not node.doomed and node.tiers else None
+            return node if node.live and node.tiers else None
         return await self.discover(key, namespace)
 
     async def discover(self, key: bytes, namespace: bytes) -> Node | None:
@@ -399,7 +391,7 @@ class Placement:
         return False
 
     def evictable(self, node: Node, level: StoreTier) -> bool:
-        if not node.committed or node.pinned or node.flights:
+        if not node.committed or not node.idle:
             return False
         if self.index.children_in(node.id, level.name):
             return False
@@ -422,8 +414,7 @@ class Placement:
         """Demotes ``node`` per policy, then frees its copy in ``level``; False when the copy
         stays: the demotion failed and it is the last copy of a parent (or of a block a
         queued session needs)."""
-        node.busy += 1
-        try:
+        with node.working():
             lower = self.demotion_target(node, level)
             if lower is not None:
                 payload = await self.read_payload(level, node)
@@ -434,8 +425,6 @@ class Placement:
                 self.lost_copy(level, node)
                 await level.tier.delete(node.id)
                 self.counts[f"evictions.{level.name}"] += 1
-        finally:
-            node.busy -= 1
         await self.settle(node)
         return evicted
 
@@ -480,13 +469,13 @@ class Placement:
         still deleted and unused, and it is forgotten only if nothing uses it then (a node
         forgotten under a promotion would leave the copy it lands as no one's to free).
         """
-        while node.doomed and not (node.pinned or node.flights):
+        while node.doomed and node.idle:
             level = next((s for s in self.tiers if s.name in node.tiers), None)
             if level is None:
                 break
             self.lost_copy(level, node)
             await level.tier.delete(node.id)
-        if node.pinned or node.flights:
+        if not node.idle:
             return  # whoever uses it settles it when done
         if not node.tiers and node.committed and self.index.get(node.id) is node:
             self.index.discard(node.id)
@@ -500,8 +489,7 @@ class Placement:
         existing = self.index.find(key, namespace)
         if existing is None:
             return False
-        existing.doomed = False
-        existing.last_access = time.monotonic()
+        existing.revive(time.monotonic())
         self.counts["dedup_puts"] += 1
         return True
 

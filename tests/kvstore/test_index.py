@@ -8,6 +8,7 @@ import gc
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -47,6 +48,29 @@ def test_copies_added_dropped_and_nodes_discarded_keep_the_counts() -> None:
     index.drop_copy(child, "redis")  # a late event for a discarded node changes nothing
     index.add_copy(child, "ssd")
     assert [index.blocks_in(t) for t in TIERS] == [1, 1, 0] == [recount(index)[t] for t in TIERS]
+
+
+def test_a_nodes_lifetime_moves_only_through_its_methods() -> None:
+    index = BlockIndex()
+    node = index.begin(b"a" * 32, b"\0" * 32, BlockMeta(NAMESPACE, 4, LAYOUT), 64)
+    assert not node.live and node.idle  # begun: invisible, nothing holds it
+    assert index.commit(node.id) is node and node.live
+    node.hold()
+    node.hold()
+    node.let_go()
+    assert node.pinned and not node.idle
+    node.let_go()
+    with pytest.raises(RuntimeError, match="let go more often than held"):
+        node.let_go()  # a bookkeeping bug surfaces instead of a negative count
+    assert node.leases == 0
+    with contextlib.suppress(ValueError), node.working():
+        assert node.pinned
+        raise ValueError("a tier write failed")
+    assert node.idle  # the copy ended, failed or not
+    node.doom()
+    assert not node.live and index.committed(node.id) is None
+    node.revive(123.0)
+    assert node.live and node.last_access == 123.0
 
 
 def test_random_events_never_let_the_counts_drift() -> None:
