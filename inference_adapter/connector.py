@@ -22,7 +22,7 @@ Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfac
    found at lookup nor saved earlier by this request) are copied out of the pool, keyed
    under the request's ``salt`` from its first approximate block on (on CUDA: one kernel
    into device memory, queued on the engine's stream), and offered to the bounded
-   :class:`~kvstore.inference_adapter.saver.SaveQueue`, whose thread copies them straight
+   :class:`~kvstore.inference_adapter.core.saver.SaveQueue`, whose thread copies them straight
    into the daemon's staging slots; when the queue is full (or the device has no memory
    for the gather) the blocks are dropped and counted in ``dropped_saves``.
 5. ``request_finished``: cancels a load still running and forgets the request.
@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.client import ROOT_KEY, KVStoreClient, Namespace, block_keys
+from kvstore.inference_adapter.core.saver import SaveCounts, SaveJob, SaveQueue, ready_event
+from kvstore.inference_adapter.core.transfer import staging_for
 from kvstore.inference_adapter.interfaces import Request
 from kvstore.inference_adapter.loader import (
     LayerLoad,
@@ -57,8 +59,6 @@ from kvstore.inference_adapter.loader import (
     block_positions,
     page_slots,
 )
-from kvstore.inference_adapter.saver import SaveCounts, SaveJob, SaveQueue, ready_event
-from kvstore.inference_adapter.transfer import staging_for
 from kvstore.kernels.dispatch import save_blocks
 from kvstore.kernels.rope import RopeTables
 from kvstore.kernels.transfer import gather_pages

@@ -8,10 +8,11 @@ pages the engine reserved, one layer at a time, on a worker thread, while the en
    the shared-memory plane, one download otherwise); no byte is copied yet. The blocks then
    wait for :meth:`LayerLoad.start` to name the pages (at most ``hold_s``, within the
    lease);
-2. per layer ``i``: the engine-neutral :class:`~kvstore.inference_adapter.transfer.LayerWriter`
-   writes layer ``i`` of every block into its pages (a stored block is ``block_tokens //
-   page_tokens`` pages): on CUDA one kernel reading the registered arena over the host
-   link, on the CPU one copy per page straight from the arena. Then ``ready[i]`` is set. The
+2. per layer ``i``: the engine-neutral
+   :class:`~kvstore.inference_adapter.core.transfer.LayerWriter` writes layer ``i`` of every
+   block into its pages (a stored block is ``block_tokens // page_tokens`` pages): on CUDA
+   one kernel reading the registered arena over the host link, on the CPU one copy per page
+   straight from the arena. Then layer ``i`` is flagged ready. The
    engine computes layer ``i - 1`` meanwhile. Stored K is after RoPE, at the positions it
    was computed at: a prefix hit is a plain copy, bit for bit what the engine computed.
    Blocks placed elsewhere (a truncated chat) are downloaded into a staging buffer and have
@@ -26,8 +27,9 @@ pages the engine reserved, one layer at a time, on a worker thread, while the en
 
 CUDA: a load's layer copies run on a side stream that ``start`` makes wait for the engine's
 stream; each layer records a CUDA event that the engine's stream waits on (``wait`` enqueues
-the wait; it does not synchronise the host): :class:`~kvstore.inference_adapter.transfer.
-LayerSignals`, as in vLLM's worker. The lease ends only once the side stream is done.
+the wait; it does not synchronise the host):
+:class:`~kvstore.inference_adapter.core.transfer.LayerSignals`, as in vLLM's worker. The
+lease ends only once the side stream is done.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace
 from kvstore.client.tensors import HostBlocks
-from kvstore.inference_adapter.transfer import (
+from kvstore.inference_adapter.core.transfer import (
     LayerSignals,
     LayerWriter,
     engine_layers,

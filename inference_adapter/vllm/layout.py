@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.inference_adapter.transfer import LayerKV
+from kvstore.inference_adapter.core.transfer import LayerKV
 
 __all__ = ["LAYOUTS", "LayerKV", "gather", "layer_kv", "layout_of"]
 

@@ -6,12 +6,13 @@ Per step, in vLLM's order:
    after it otherwise): when the plan has loads, one thread leases the step's blocks from the
    daemon (``host_blocks``: the arena itself on the shm plane, a download otherwise) and
    then writes layer after layer into vLLM's blocks with the engine-neutral
-   :class:`~kvstore.inference_adapter.transfer.LayerWriter` (on CUDA one kernel per layer
-   reading the registered arena; stored K is after RoPE, at the positions it goes back to),
+   :class:`~kvstore.inference_adapter.core.transfer.LayerWriter` (on CUDA one kernel per
+   layer reading the registered arena; stored K is after RoPE, at the positions it goes back
+   to),
    flagging layer ``i`` once it is queued. vLLM computes layer ``i`` meanwhile. On CUDA the
    writes go on a side stream that first waits for vLLM's stream as ``start`` found it, with
-   one event per layer (:class:`~kvstore.inference_adapter.transfer.LayerSignals`, as in our
-   engine's loader).
+   one event per layer (:class:`~kvstore.inference_adapter.core.transfer.LayerSignals`, as in
+   our engine's loader).
 2. ``wait_layer(i)`` (vLLM's ``wait_for_layer_load``, before layer ``i``'s attention):
    returns when layer ``i`` is queued, having made vLLM's current stream wait for its event
    (the host does not wait for the copy). A failure or the deadline cancels the load: from then
@@ -52,8 +53,8 @@ import torch
 
 from kvstore.client import KVStoreClient, Namespace, WriteStatus
 from kvstore.client.tensors import HostBlocks
-from kvstore.inference_adapter.saver import SaveJob, SaveQueue
-from kvstore.inference_adapter.transfer import LayerKV, LayerSignals, LayerWriter, staging_for
+from kvstore.inference_adapter.core.saver import SaveJob, SaveQueue
+from kvstore.inference_adapter.core.transfer import LayerKV, LayerSignals, LayerWriter, staging_for
 from kvstore.inference_adapter.vllm.layout import gather
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.inference_adapter import transfer
 from kvstore.inference_adapter.bench import add_bench_parser, main
 from kvstore.inference_adapter.bench.chat import run_bench
 from kvstore.inference_adapter.bench.workloads import (
@@ -22,6 +21,7 @@ from kvstore.inference_adapter.bench.workloads import (
     multi_round_qa,
     sharegpt,
 )
+from kvstore.inference_adapter.core import transfer
 
 SMOKE = ["--preset", "smoke", "--seed", "1"]
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient, Namespace, block_keys
-from kvstore.inference_adapter import transfer
 from kvstore.inference_adapter.connector import StoreConnector
+from kvstore.inference_adapter.core import transfer
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.model import LlamaModel, load_model

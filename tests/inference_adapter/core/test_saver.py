@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
-from kvstore.inference_adapter.saver import SaveJob, SaveQueue, ready_event
+from kvstore.inference_adapter.core.saver import SaveJob, SaveQueue, ready_event
 from tests.support.daemon import running_daemon
 
 MODEL = ModelFingerprint("saver", 2, 2, 16, "float32", block_tokens=4)
