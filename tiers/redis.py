@@ -23,7 +23,8 @@ Redis being down is an expected outcome, not an error: a connection error or tim
 into a miss (``None``, ``False``), ``healthy()`` turns ``False`` and from then on every call
 answers a miss at once without touching the network. No request ever probes: a background
 task pings the failed node every ``retry_interval_s`` (under ``timeout_s``), and once it
-answers the tier is healthy and writes resume.
+answers the tier is healthy and writes resume. Each node's outage is a
+:class:`~kvstore.wire.outage.Outage`, the breaker the vLLM connector's link keeps too.
 
 Time is bounded per call, whatever the network does: every call (a batch, across all the
 nodes it touches) has one deadline, ``timeout_s`` from its start, and a node that misses it
@@ -84,6 +85,7 @@ from kvstore.tiers.redis_url import (
     cluster_seeds,
     sentinel_service,
 )
+from kvstore.wire.outage import Outage
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +180,8 @@ class RedisTier:
         # Calls in flight at once. The one-server pool blocks by itself; redis-py's cluster
         # client would raise on a node's full pool instead, so it waits here.
         self._slots: contextlib.AbstractAsyncContextManager[object] = contextlib.nullcontext()
-        self._down: set[str] = set()  # targets that failed and have not answered since
+        # Targets that failed and have not answered since, each with its outage.
+        self._down: dict[str, Outage] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}  # target -> its background probe
         self._refresh: asyncio.Task[None] | None = None  # a cluster slot map being reloaded
 
@@ -391,7 +394,7 @@ class RedisTier:
         if isinstance(client, RedisCluster) and self._down:
             serving = {node.name for node in client.get_primaries()}
             for gone in [name for name in self._down if name != WHOLE and name not in serving]:
-                self._down.discard(gone)
+                del self._down[gone]
         return sorted(self._down)
 
     def _rkey(self, key: bytes) -> bytes:
@@ -543,22 +546,27 @@ class RedisTier:
                 except RedisError as exc:
                     logger.warning("redis tier %s: command failed: %s", self.name, _reason(exc))
                     raise _Failed from exc
-        for answered in {target, WHOLE} & self._down:  # a node answering: the cluster is up
+        for answered in {target, WHOLE} & self._down.keys():  # a node answers: the cluster is up
             self._answered(answered)
         return result
 
     def _answered(self, target: str) -> None:
-        self._down.discard(target)
-        logger.info("redis tier %s: %s answers again, resuming", self.name, _node(target))
+        outage = self._down.pop(target, None)
+        lasted = None if outage is None else outage.answered(time.monotonic())
+        if lasted is not None:
+            logger.info(
+                "redis tier %s: %s answers again (down %.1f s), resuming",
+                self.name, _node(target), lasted,
+            )  # fmt: skip
 
     def _degrade(self, target: str, exc: BaseException) -> None:
-        if target not in self._down:
+        outage = self._down.setdefault(target, Outage(self._retry_interval_s))
+        if outage.fail(time.monotonic()):
             logger.warning(
                 "redis tier %s: %s unreachable (%s: %s); answering misses, probing every %gs",
                 self.name, _node(target), type(exc).__name__, _reason(exc),
                 self._retry_interval_s,
             )  # fmt: skip
-        self._down.add(target)
         if target not in self._probes:
             self._probes[target] = asyncio.get_running_loop().create_task(self._probe(target))
         self._start_reload()

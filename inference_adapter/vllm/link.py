@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvstore.client import KVStoreClient, Namespace
+from kvstore.wire.outage import Outage
 
 __all__ = ["DaemonDown", "Link"]
 
@@ -87,13 +88,16 @@ class Link:
         self._connecting: threading.Thread | None = None
         self._retry: threading.Timer | None = None
         self._connect_lock = threading.Lock()
-        self._down_until = 0.0
-        self._was_down = False
+        self._outage = Outage(retry_s)  # under _lock
         self._closed = False
         self._lock = threading.Lock()
-        self.failures = 0
         with _LINKS_LOCK:
             _LINKS.add(self)
+
+    @property
+    def failures(self) -> int:
+        """Failed connects and calls so far."""
+        return self._outage.failures
 
     def call(self, fn: Callable[[KVStoreClient], T]) -> T:
         """``fn(client)``; ``DaemonDown`` at once when there is no connection now.
@@ -136,7 +140,7 @@ class Link:
             if self._closed:
                 raise DaemonDown(f"kvstore daemon at {self.address}: the link is closed")
             if not self.wait_for_connect:
-                if time.monotonic() >= self._down_until:
+                if self._outage.due(time.monotonic()):
                     self._start_connecting()
                 connecting = self._connecting
         if not self.wait_for_connect:
@@ -180,9 +184,14 @@ class Link:
                 if self._closed:
                     client.close()
                     return None
-                if self._was_down:
-                    log.warning("kvstore %s: daemon at %s answers again", self.role, self.address)
-                self._was_down = False
+                lasted = self._outage.answered(time.monotonic())
+                if lasted is not None:
+                    log.warning(
+                        "kvstore %s: daemon at %s answers again (down %.1f s)",
+                        self.role,
+                        self.address,
+                        lasted,
+                    )
                 self._client = client
             self._wake_others()
             return client
@@ -199,7 +208,7 @@ class Link:
         with self._lock:
             if self._client is not None or self._closed:
                 return
-            self._down_until = 0.0
+            self._outage.retry_now()
             self._start_connecting()
 
     def _start_connecting(self) -> None:
@@ -233,17 +242,15 @@ class Link:
     def _mark_down(self, error: Exception) -> None:
         """Under the lock: no new connection for ``retry_s``, then a background retry; one
         log line per outage."""
-        self.failures += 1
-        self._down_until = time.monotonic() + self.retry_s
+        began = self._outage.fail(time.monotonic())
         if not self._closed and self._retry is None:
             self._retry = threading.Timer(self.retry_s, self._retry_now)
             self._retry.daemon = True
             self._retry.start()
-        if not self._was_down:
+        if began:
             log.warning(
                 "kvstore %s: daemon at %s unreachable (%s); vLLM recomputes until it answers",
                 self.role,
                 self.address,
                 error,
             )
-        self._was_down = True
