@@ -57,12 +57,10 @@ from kvstore.errors import (
 from kvstore.index import BlockMeta
 from kvstore.results import Acquired, Block, Reserved
 from kvstore.sessions import Session, SessionServer
-from kvstore.store import BlockStore, Commit
-from kvstore.streams import ArenaStreams, HeldBlock, Landing
+from kvstore.store import BlockStore, Commit, HeldBlock, Landing
 from kvstore.tasks import finish_anyway
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.host import HostTier
 from kvstore.wire.blocks import KEY_BYTES, BlockLayout, BlockSpec, Spec
 from kvstore.wire.namespace import ModelFingerprint, Namespace
 from kvstore.wire.results import LookupResult, NamespaceUsage, PutStatus, StoreStats
@@ -151,8 +149,6 @@ class KVStoreService:
         self._server = config.server
         self._started = time.monotonic()
         self.instance_id = instance_id or secrets.token_bytes(16)
-        top = store.tiers[0].tier
-        self._streams = ArenaStreams(store, top) if isinstance(top, HostTier) else None
         self.sessions: SessionServer | None = None  # set by the server when it listens on one
         self._namespaces: dict[bytes, _Registered] = {}
         self._per_tenant: Counter[str] = Counter()
@@ -345,20 +341,20 @@ class KVStoreService:
     @property
     def has_arena(self) -> bool:
         """Whether there is a host tier, for :meth:`held` and :meth:`land`."""
-        return self._streams is not None
+        return self._store.has_arena
 
     def held(
         self, namespace: bytes, keys: Sequence[bytes], *, tenant: str | None = None
     ) -> AsyncGenerator[HeldBlock, None]:
         """:meth:`get` without copies: the leading held blocks as views of their leased arena
-        slots; it may stop early, the rest is read with :meth:`get` (see :mod:`kvstore.streams`).
+        slots; it may stop early, the rest is read with :meth:`get` (see :mod:`kvstore.reads`).
 
         Raises:
             NoArenaError: the daemon has no host tier.
         """
         layout = self.layout_of(namespace, tenant=tenant)
         check_keys(keys)
-        return self._require_streams().held(keys, namespace, layout.payload_bytes)
+        return self._store.held(keys, namespace, layout.payload_bytes)
 
     # -- writes through an shm session ------------------------------------------------------
 
@@ -546,7 +542,7 @@ class KVStoreService:
         self, namespace: bytes, spec: BlockSpec, *, tenant: str | None = None
     ) -> Landing | PutStatus:
         """:meth:`put` without copies: an arena slot the caller writes the block into, then
-        commits or aborts; or DEDUP, or NO_SPACE (see :mod:`kvstore.streams`).
+        commits or aborts; or DEDUP, or NO_SPACE (see :mod:`kvstore.writes`).
 
         Raises:
             InvalidBlockError: as :meth:`put`.
@@ -555,15 +551,17 @@ class KVStoreService:
         layout = self.layout_of(namespace, tenant=tenant)
         check_spec("block", spec, layout)
         meta = BlockMeta(namespace, spec.num_tokens, layout)
-        return await self._require_streams().land(spec.key, spec.parent, meta)
+        return await self._store.land(spec.key, spec.parent, meta)
 
     async def commit_landing(self, landing: Landing, checksum: int = 0) -> PutStatus:
         """Makes a block landed by the Put stream visible (or CHECKSUM_MISMATCH)."""
-        return await self._require_streams().commit(landing, checksum)
+        return await self._store.commit(
+            landing.key, landing.namespace, owner=landing.owner, checksum=checksum
+        )
 
     async def abort_landing(self, landing: Landing) -> None:
         """Frees a landing the Put stream did not finish."""
-        await self._require_streams().abort(landing)
+        await self._store.abort(landing.key, landing.namespace, owner=landing.owner)
 
     async def put(
         self,
@@ -753,11 +751,6 @@ class KVStoreService:
                 f"{self._server.lease_ttl:g}), got {lease_seconds}"
             )
         return lease_seconds or self._server.lease_ttl
-
-    def _require_streams(self) -> ArenaStreams:
-        if self._streams is None:
-            raise NoArenaError("the arena data plane needs the host tier (host.enabled)")
-        return self._streams
 
     def _release_when_done(self, work: asyncio.Future[Acquired], tenant: str | None) -> None:
         async def release() -> None:

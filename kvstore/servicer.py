@@ -10,8 +10,9 @@ outside the error tree is a bug, logged and answered INTERNAL.
 The streamed data plane: ``Get`` sends each leading held block as ``chunk_bytes`` pieces
 (``tier`` on the first, ``last`` on the final one); ``Put`` assembles a block from the chunks
 that follow its ``BlockSpec`` and stores it once it has ``layout.payload_bytes`` bytes. With a
-host tier both work in the arena (:mod:`kvstore.streams`): ``Get`` cuts its chunks from the
-leased slots and ``Put`` copies each chunk into a slot reserved for its block.
+host tier both work in the arena: ``Get`` cuts its chunks from the leased slots
+(:mod:`kvstore.reads`) and ``Put`` copies each chunk into a slot reserved for its block
+(:mod:`kvstore.writes`).
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ from kvstore.errors import (
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
 from kvstore.service import KVStoreService
-from kvstore.streams import Landing
 from kvstore.wire import chunks
 from kvstore.wire.blocks import BlockLayout, BlockSpec
 from kvstore.wire.chunks import GetChunk
 from kvstore.wire.namespace import ModelFingerprint
 from kvstore.wire.results import PutStatus
+from kvstore.writes import Landing
 
 __all__ = ["STATUS_CODES", "KVStoreServicer", "Metadata", "add_to_server", "status_of"]
 

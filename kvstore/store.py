@@ -12,14 +12,13 @@ Primitives, in the order a request uses them (the service's calls):
    (one arena per tenant; unregistered namespaces share the arena of tenant ``""``);
 1. ``lookup(keys, namespace)`` -> :class:`LookupResult`: how many leading blocks are held, and
    where (shared tiers such as Redis are asked live for keys the local index lacks);
-2. reads: ``acquire(keys, namespace)`` -> :class:`Acquired`: the leading held blocks promoted
-   into the host arena and leased; ``release(lease_id)`` ends the lease. Without a host tier
-   (or for what the arena cannot take) ``get(key, namespace)`` -> :class:`Block` or ``None``,
-   a verified copy, promoted on a hit;
-3. writes: ``reserve(key, parent, meta)`` -> :class:`Reserved`: arena space for a block
-   (``DEDUP`` when the namespace holds the key: identical prefixes are stored once), then
-   ``commit``/``commit_many`` (copy in, checksum, visible, written through) or ``abort``.
-   Without a host tier (or room in it) ``put(key, parent, meta, payload)`` -> :class:`PutStatus`;
+2. reads, :mod:`kvstore.reads`: ``acquire(keys, namespace)`` -> :class:`Acquired` (the leading
+   held blocks promoted into the host arena and leased), then ``release(lease_id)``; ``held``
+   serves the Get stream from the same leases; ``get(key, namespace)`` -> :class:`Block` or
+   ``None`` copies what the arena cannot take (no host tier, or no room);
+3. writes, :mod:`kvstore.writes`: ``reserve(key, parent, meta)`` -> :class:`Reserved`, then
+   ``commit``/``commit_many`` (copy in, checksum, visible, written through) or ``abort``;
+   ``land`` reserves for the Put stream, ``put`` is reserve + commit of a whole block;
 4. ``prefetch(keys, namespace)``: a hinted session's blocks moved up into the arena;
 5. ``delete(key, namespace)``, ``flush()`` (write-back blocks to the tier below, for shutdown),
    ``stats()``, and ``maintain()`` (lease expiry, TTLs, watermarks; also run periodically);
@@ -48,28 +47,22 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Self
 
-from kvstore.arena import ArenaPlane, Commit
 from kvstore.budget import LoopBudget
 from kvstore.config import Config
 from kvstore.errors import InvalidBlockError, NoArenaError, StoreClosedError
-from kvstore.index import BlockIndex, BlockMeta, Node, block_id
+from kvstore.index import BlockIndex, BlockMeta
 from kvstore.leases import LeaseTable
 from kvstore.policies import EvictionPolicy, HintBudget, eviction_policy
+from kvstore.reads import HeldBlock, ReadPath
 from kvstore.results import Acquired, Block, Lease, Reserved
 from kvstore.tasks import finish_anyway
-from kvstore.tiering import (
-    Placement,
-    StoreTier,
-    add_run,
-    checksum_of,
-    tiers_from_config,
-)
+from kvstore.tiering import Placement, StoreTier, tiers_from_config
 from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.host import ArenaHandle, HostTier
+from kvstore.tiers.host import ArenaHandle
 from kvstore.wire.blocks import KEY_BYTES
 from kvstore.wire.results import (
     COUNTERS,
@@ -79,12 +72,15 @@ from kvstore.wire.results import (
     StoreStats,
     TierStats,
 )
+from kvstore.writes import Commit, Landing, WritePath
 
 __all__ = [
     "Acquired",
     "Block",
     "BlockStore",
     "Commit",
+    "HeldBlock",
+    "Landing",
     "Lease",
     "LookupResult",
     "PutStatus",
@@ -124,9 +120,8 @@ class BlockStore:
         self._counts: Counter[str] = Counter()
         self._tenants: dict[bytes, str] = {}  # namespace -> tenant: the arena of its blocks
         self._placement = Placement(self._tiers, self.index, self.policy, self._counts)
-        top = self._tiers[0].tier
-        self._host = top if isinstance(top, HostTier) else None
-        capacity = top.capacity()
+        self._host = self._placement.host
+        capacity = self._tiers[0].tier.capacity()
         self._hints = HintBudget(int(hint_share * capacity), int(hint_rate * capacity))
         self._leases = LeaseTable(
             self.index,
@@ -134,17 +129,10 @@ class BlockStore:
             lease_ttl,
             unpin=None if self._host is None else self._host.unpin,
         )
-        self._arena: ArenaPlane | None = None
         if self._host is not None:
             self._host.partition_of = lambda block: self.partition_of(block[KEY_BYTES:])
-            self._arena = ArenaPlane(
-                self._tiers[0],
-                self.index,
-                self._placement,
-                self._leases,
-                self._counts,
-                self.partition_of,
-            )
+        self.reads = ReadPath(self._placement, self._leases, self.partition_of)
+        self.writes = WritePath(self._placement, self._leases, self._counts)
         self._maintenance: asyncio.Task[None] | None = None
         self._open = False
 
@@ -242,78 +230,23 @@ class BlockStore:
     def lookup_local(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
         """Leading blocks of ``keys`` that the local index holds (no I/O)."""
         self._check_open()
-        matched, runs = self.index.match_runs(keys, namespace)
-        return LookupResult(len(matched), tuple(self._placement.top_runs(runs)))
+        return self.reads.lookup_local(keys, namespace)
 
     async def lookup(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
-        """Leading blocks of ``keys`` held here or, past the local prefix, in shared tiers.
-
-        Shared tiers are asked by block id; :meth:`get` and :meth:`acquire` check the
-        stored header before handing bytes out.
-        """
-        local = self.lookup_local(keys, namespace)
-        shared = [level for level in self._tiers if level.shared]
-        if not shared or local.num_blocks == len(keys):
-            return local
-        rest = [key + namespace for key in keys[local.num_blocks :]]
-        runs, held = list(local.runs), local.num_blocks
-        for level in shared:
-            if not rest:
-                break
-            found = await level.tier.contains_many(rest)
-            count = next((i for i, hit in enumerate(found) if not hit), len(found))
-            add_run(runs, level.name, count)
-            held, rest = held + count, rest[count:]
-        return LookupResult(held, tuple(runs))
+        """Leading blocks of ``keys`` held here or, past the local prefix, in shared tiers."""
+        self._check_open()
+        return await self.reads.lookup(keys, namespace)
 
     async def get(self, key: bytes, namespace: bytes) -> Block | None:
-        """The block of ``key`` in ``namespace`` (a verified copy of its raw payload), or
-        ``None`` on a miss.
-
-        A hit below the top tier is promoted; lower tiers with a selective write policy
-        receive the block when it reaches their hit threshold.
-        """
+        """A verified copy of a block, or ``None`` on a miss: see :meth:`ReadPath.get`."""
         self._check_open()
         _check_key("key", key)
-        node = await self._placement.held(key, namespace)
-        if node is None:
-            self._placement.count_gets(1, 1)
-            return None
-        node.hold()
-        try:
-            found = await self._placement.read_any(node)
-            if found is not None:
-                level, payload = found
-                self._placement.record_hit(node, level)
-                if level is not self._tiers[0]:
-                    await self._placement.promote(node, payload)
-                await self._placement.write_selective(node, payload)
-        finally:
-            node.let_go()
-        await self._placement.settle(node)
-        self._placement.count_gets(1, int(found is None))
-        if found is None:
-            return None
-        return Block(node.key, node.parent, node.meta, payload, level.name, node.checksum)
+        return await self.reads.get(key, namespace)
 
     async def get_layer(self, key: bytes, namespace: bytes, layer: int) -> bytes | None:
         """Raw bytes of one layer of a block (no promotion), or ``None`` on a miss."""
         self._check_open()
-        node = self.index.committed(block_id(key, namespace))
-        if node is None:
-            return None
-        offset, length = node.meta.layout.layer_range(layer)
-        node.hold()
-        try:
-            for level in self._tiers:
-                if level.name in node.tiers:
-                    data = await self._placement.read_layer(level, node, layer, offset, length)
-                    if data is not None:
-                        return data
-            return None
-        finally:
-            node.let_go()
-            await self._placement.settle(node)
+        return await self.reads.get_layer(key, namespace, layer)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -333,48 +266,13 @@ class BlockStore:
         """
         self._check_open()
         _check_block(key, parent, meta, payload)
-        self._placement.check_fits(meta.layout.payload_bytes)
         # Once started, a put ends consistently (stored and indexed, or discarded) even if
         # its caller is cancelled: its tier writes run on as tasks of their own.
-        work = self._put(key, parent, meta, payload, checksum)
-        return await finish_anyway(work, self._placement.pending)
-
-    async def _put(
-        self, key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer, checksum: int
-    ) -> PutStatus:
-        if self._placement.dedup(key, meta.namespace):
-            return PutStatus.DEDUP
-        found = await checksum_of(payload)
-        if checksum and found != checksum:
-            self._counts["corrupt_writes"] += 1
-            return PutStatus.CHECKSUM_MISMATCH
-        if self._placement.dedup(key, meta.namespace):  # put while we summed it
-            return PutStatus.DEDUP
-        node = self.index.begin(key, parent, meta, memoryview(payload).nbytes)
-        node.checksum = found
-        try:
-            with node.working():
-                stored = await self._placement.store_in(self._tiers[0], node, payload)
-                stored = await self._placement.write_through(node, payload) or stored
-        except BaseException:
-            await self._forget(node)
-            raise
-        if not stored:
-            await self._forget(node)
-            self._counts["dropped_saves"] += 1
-            return PutStatus.NO_SPACE
-        self.index.commit(node.id)
-        self._counts["puts"] += 1
-        await self.relieve_pressure()
-        return PutStatus.STORED
-
-    async def _forget(self, node: Node) -> None:
-        """Drops a block that never became visible, with any copy a tier took of it."""
-        for level in self._tiers:
-            if level.name in node.tiers:
-                self._placement.lost_copy(level, node)
-                await level.tier.delete(node.id)
-        self.index.discard(node.id)
+        work = self.writes.put(key, parent, meta, payload, checksum)
+        status = await finish_anyway(work, self._placement.pending)
+        if status is PutStatus.STORED:
+            await self.relieve_pressure()
+        return status
 
     async def delete(self, key: bytes, namespace: bytes) -> int:
         """Deletes a block and its descendants (unreachable without it); returns how many.
@@ -474,29 +372,33 @@ class BlockStore:
         Raises:
             UnknownLeaseError: the lease was never issued to ``owner``, or already ended.
         """
-        await self._leases.release(lease_id, owner=owner)
+        await self.reads.release(lease_id, owner=owner)
 
     def leases_of(self, owner: object) -> int:
         """How many leases ``owner`` holds."""
         return self._leases.count(owner)
 
-    # -- shared-memory data plane (see kvstore.arena) ---------------------------------------
+    # -- the host arena: leases and reservations (kvstore.reads, kvstore.writes) ------------
 
     @property
     def has_arena(self) -> bool:
         """Whether there is a host tier, hence a shared-memory data plane."""
-        return self._arena is not None
+        return self._host is not None
 
     def arena(self, partition: str) -> ArenaHandle | None:
-        """The host arena of ``partition`` that its clients map, or ``None`` without a host
-        tier."""
-        return None if self._arena is None else self._arena.arena(partition)
+        """The host arena of ``partition`` that its clients map (read-only), or ``None``
+        without a host tier."""
+        return None if self._host is None else self._host.arena(partition)
 
     def keep_arena_pages(self, partition: str, keep: bool) -> None:
         """A client mapping of ``partition``'s arena was registered with CUDA (``keep``) or
         that registration ended: see ``HostTier.keep_pages``."""
-        if self._arena is not None:
-            self._arena.keep_pages(partition, keep)
+        if self._host is None:
+            return
+        if keep:
+            self._host.keep_pages(partition)
+        else:
+            self._host.release_pages(partition)
 
     async def acquire(
         self,
@@ -520,10 +422,19 @@ class BlockStore:
             NoArenaError: the store has no host tier.
             InvalidRequestError: ``lease_id`` names a live lease of ``owner``.
         """
-        self._check_open()
-        return await self._require_arena().acquire(
-            keys, namespace, ttl, owner=owner, lease_id=lease_id
-        )
+        self._check_arena()
+        return await self.reads.acquire(keys, namespace, ttl, owner=owner, lease_id=lease_id)
+
+    def held(
+        self, keys: Sequence[bytes], namespace: bytes, block_bytes: int
+    ) -> AsyncGenerator[HeldBlock, None]:
+        """The leading held blocks as views of leased arena slots: :meth:`ReadPath.held`.
+
+        Raises:
+            NoArenaError: the store has no host tier.
+        """
+        self._check_arena()
+        return self.reads.held(keys, namespace, block_bytes)
 
     async def reserve(
         self,
@@ -541,9 +452,9 @@ class BlockStore:
                 host tier.
             NoArenaError: the store has no host tier.
         """
-        self._check_open()
+        self._check_arena()
         _check_meta(key, parent, meta)
-        return await self._require_arena().reserve(key, parent, meta, ttl, owner)
+        return await self.writes.reserve(key, parent, meta, ttl, owner)
 
     def reserve_now(
         self,
@@ -560,17 +471,28 @@ class BlockStore:
         Raises:
             InvalidBlockError, NoArenaError: as :meth:`reserve`.
         """
-        self._check_open()
+        self._check_arena()
         _check_meta(key, parent, meta)
-        return self._require_arena().reserve_now(key, parent, meta, ttl, owner)
+        return self.writes.reserve_now(key, parent, meta, ttl, owner)
 
     def reserved(self, key: bytes, namespace: bytes, owner: object = None) -> Slot | None:
         """The slot of ``owner``'s live reservation of ``key``, or None."""
-        return None if self._arena is None else self._arena.reserved(key, namespace, owner)
+        return self.writes.reserved(key, namespace, owner)
 
     def reserved_view(self, slot: Slot) -> memoryview:
         """A writable view of a reserved slot."""
-        return self._require_arena().view(slot)
+        self._check_arena()
+        return self.writes.view(slot)
+
+    async def land(self, key: bytes, parent: bytes, meta: BlockMeta) -> Landing | PutStatus:
+        """An arena slot for a block of the Put stream: :meth:`WritePath.land`.
+
+        Raises:
+            InvalidBlockError, NoArenaError: as :meth:`reserve`.
+        """
+        self._check_arena()
+        _check_meta(key, parent, meta)
+        return await self.writes.land(key, parent, meta)
 
     async def commit(
         self,
@@ -588,12 +510,11 @@ class BlockStore:
 
     async def commit_many(self, writes: Sequence[Commit]) -> list[PutStatus]:
         """Commits several reservations; their bytes are copied and summed in one pass (see
-        :meth:`kvstore.arena.ArenaPlane.commit`)."""
-        self._check_open()
-        arena = self._require_arena()
+        :meth:`kvstore.writes.WritePath.commit`)."""
+        self._check_arena()
         # The copies into the arena must end before the slots can be freed, whatever
         # happens to the caller: the commit runs on as a task of its own.
-        statuses = await finish_anyway(arena.commit(writes), self._placement.pending)
+        statuses = await finish_anyway(self.writes.commit(writes), self._placement.pending)
         if PutStatus.STORED in statuses:
             await self.relieve_pressure()
         return statuses
@@ -603,8 +524,8 @@ class BlockStore:
     ) -> bool:
         """Frees ``owner``'s reservation; False when it holds none. ``abandoned``: its writer
         went away (counted with the reservations whose TTL ran out)."""
-        self._check_open()
-        freed = await self._require_arena().abort(key, namespace, owner)
+        self._check_arena()
+        freed = await self.writes.abort(key, namespace, owner)
         self._counts["expired_reservations"] += freed and abandoned
         return freed
 
@@ -618,19 +539,18 @@ class BlockStore:
         ``hint_rate`` of it per second) and makes room only by evicting blocks no hint
         protects: hints naming more than the tier holds stop short, never thrash it.
         """
-        self._check_open()
+        self._check_arena()
         held = [node.id for node in self.index.match(keys, namespace)]
         self.policy.protect(held, time.monotonic() + self._hint_ttl)
-        arena = self._require_arena()
         budget = self._hints.grant()
-        count, promoted = await arena.prefetch(keys, namespace, budget)
+        count, promoted = await self.reads.prefetch(keys, namespace, budget)
         self._hints.spent(budget, promoted)
         return count
 
-    def _require_arena(self) -> ArenaPlane:
-        if self._arena is None:
+    def _check_arena(self) -> None:
+        self._check_open()
+        if self._host is None:
             raise NoArenaError("the shared-memory data plane needs the host tier (host.enabled)")
-        return self._arena
 
     # -- maintenance ------------------------------------------------------------------------
 
@@ -638,8 +558,7 @@ class BlockStore:
         """Expires leases, applies tier TTLs and watermarks. Runs every second by itself."""
         now = time.monotonic() if now is None else now
         self._counts["expired_leases"] += await self._leases.expire(now)
-        if self._arena is not None:
-            self._counts["expired_reservations"] += await self._arena.expire(now)
+        self._counts["expired_reservations"] += await self.writes.expire(now)
         for level in self._tiers:
             if level.ttl > 0:
                 await self._placement.expire(level, now - level.ttl)
@@ -678,7 +597,7 @@ class BlockStore:
             tiers=tiers,
             blocks=len(self.index),
             active_leases=len(self._leases),
-            active_reservations=0 if self._arena is None else len(self._arena),
+            active_reservations=len(self.writes),
             **{name: self._counts[name] for name in COUNTERS},
         )
 

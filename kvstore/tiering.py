@@ -111,6 +111,9 @@ class Placement:
         self.policy = policy
         self.counts = counts
         self._by_name = {level.name: level for level in tiers}
+        self.top = tiers[0]
+        # The top tier when it is the host tier, whose arenas the data planes lease and fill.
+        self.host = self.top.tier if isinstance(self.top.tier, HostTier) else None
         self._tops: dict[frozenset[str], str] = {}  # a node's tier set -> its highest tier
         self.pending: set[asyncio.Task[Any]] = set()  # flights and work finishing anyway
         index.leaf_events = self

@@ -1,87 +1,37 @@
-"""The shared-memory data plane in-process: reserve/commit/abort, acquire, expiry, namespaces,
-and the races of promotion into a full arena."""
+"""The write path in-process (:mod:`kvstore.writes`): reserve/commit/abort, expiry, checksums,
+puts as a reservation and a commit, cancellation while evicting, namespaces."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import mmap
-import time
 from pathlib import Path
 
 import pytest
 
 from kvstore.budget import LoopBudget
-from kvstore.errors import InvalidBlockError, NoArenaError, UnknownLeaseError
+from kvstore.errors import InvalidBlockError, NoArenaError
 from kvstore.index import BlockMeta
 from kvstore.policies import (
-    EvictionPolicy,
-    HintBudget,
     LruPolicy,
-    SchedulerAwarePolicy,
     write_policy,
 )
 from kvstore.store import BlockStore, PutStatus, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
 from kvstore.wire.blocks import ROOT_KEY, BlockLayout, Codec, payload_checksum
+from tests.support.arena import (
+    BLOCK,
+    LAYOUT,
+    NS_A,
+    NS_B,
+    Arena,
+    blocks,
+    fill_host_with_evictable,
+    make_store,
+    slow_evictions,
+)
 from tests.support.prefault import StalledPrefault
-
-LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=16, head_dim=64, dtype="float16")
-BLOCK = LAYOUT.payload_bytes
-NS_A = hashlib.sha256(b"tenant-a").digest()
-NS_B = hashlib.sha256(b"tenant-b").digest()
-
-
-def blocks(name: str, count: int) -> list[tuple[bytes, bytes, bytes]]:
-    out, parent = [], ROOT_KEY
-    for i in range(count):
-        key = hashlib.sha256(parent + f"{name}{i}".encode()).digest()
-        out.append((key, parent, hashlib.shake_256(key).digest(BLOCK)))
-        parent = key
-    return out
-
-
-def make_store(
-    tmp_path: Path,
-    host_blocks: int = 4,
-    ssd: bool = True,
-    eviction: EvictionPolicy | None = None,
-    hint_share: float = 1.0,
-    prefault: bool = False,
-) -> BlockStore:
-    tiers = [
-        StoreTier(
-            HostTier(host_blocks * BLOCK, prefault=prefault),
-            None,
-            write_policy("write_through", 1),
-        )
-    ]
-    if ssd:
-        disk = SsdTier(tmp_path / "ssd", 64 * (BLOCK + 1024), fsync=False)
-        tiers.append(StoreTier(disk, Codec.LZ4, write_policy("write_back", 2)))
-    return BlockStore(
-        tiers,
-        eviction=eviction or LruPolicy(),
-        high_watermark=1.0,
-        low_watermark=0.5,
-        hint_share=hint_share,
-    )
-
-
-class Arena:
-    """A tenant's arena as a client process sees it: the read-only descriptor, mapped."""
-
-    def __init__(self, store: BlockStore, partition: str = "") -> None:
-        handle = store.arena(partition)
-        assert handle is not None
-        self.map = mmap.mmap(handle.fd, handle.size, mmap.MAP_SHARED, mmap.PROT_READ)
-
-    def read(self, offset: int, length: int) -> bytes:
-        return self.map[offset : offset + length]
-
-    def close(self) -> None:
-        self.map.close()
 
 
 async def test_reserve_write_commit_then_acquire_reads_in_place(tmp_path: Path) -> None:
@@ -133,84 +83,6 @@ async def test_abandoned_reservations_expire_and_free_space(tmp_path: Path) -> N
         assert host.usage() == 0
 
 
-async def put_chain(store: BlockStore, chain: list[tuple[bytes, bytes, bytes]]) -> list[bytes]:
-    for key, parent, payload in chain:
-        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
-    return [key for key, _, _ in chain]
-
-
-async def test_a_hint_never_evicts_what_another_hint_protects(tmp_path: Path) -> None:
-    """Two queued sessions whose KV is each the size of the host tier: the first hint moves
-    its chain up (evicting unhinted blocks), the second finds only protected blocks to
-    evict and stops, instead of trading the first session's blocks for its own."""
-    async with make_store(tmp_path, host_blocks=4, eviction=SchedulerAwarePolicy()) as store:
-        a = await put_chain(store, blocks("a", 4))
-        b = await put_chain(store, blocks("b", 4))  # the host holds b; a went down to SSD
-        c = await put_chain(store, blocks("c", 4))  # and now c; b went down too
-        assert (await store.lookup(a + b, NS_A)).tiers == ("ssd",) * 8
-        assert await store.prefetch(a, NS_A) == 4  # evicts c (no hint protects it)
-        assert await store.prefetch(b, NS_A) == 0  # only a's protected blocks could go
-        assert (await store.lookup(a, NS_A)).tiers == ("host",) * 4
-        assert (await store.lookup(b, NS_A)).tiers == ("ssd",) * 4
-        assert (await store.lookup(c, NS_A)).tiers == ("ssd",) * 4
-
-
-async def test_a_hint_promotes_at_most_its_share_of_the_host_tier(tmp_path: Path) -> None:
-    async with make_store(tmp_path, host_blocks=8, hint_share=0.25) as store:
-        a = await put_chain(store, blocks("a", 8))
-        await put_chain(store, blocks("b", 8))  # a is in SSD now
-        assert await store.prefetch(a, NS_A) == 2  # a quarter of 8 blocks
-        assert (await store.lookup(a, NS_A)).tiers == ("host",) * 2 + ("ssd",) * 6
-
-
-def test_the_hint_budget_refills_at_its_rate_up_to_one_second() -> None:
-    budget = HintBudget(per_hint=100, per_second=300)
-    start = budget.grant(now=0.0)
-    assert start == 100  # per hint, though a second's worth is there
-    budget.spent(start, 100)
-    assert [budget.grant(now=0.0) for _ in range(2)] == [100, 100]  # 200 left: unspent
-    budget.spent(100, 150)  # spends at most what it was granted
-    assert budget.grant(now=0.0) == 100
-    budget.spent(100, 100)
-    assert budget.grant(now=0.0) == 0  # 300 spent in the same instant
-    assert budget.grant(now=0.1) == 30  # refills at 300 per second
-    assert budget.grant(now=60.0) == 100  # holds a second's worth, capped per hint
-
-
-async def test_acquire_promotes_from_ssd_and_stops_at_other_namespaces(tmp_path: Path) -> None:
-    async with make_store(tmp_path, host_blocks=2) as store:
-        chain = blocks("deep", 4)
-        for key, parent, payload in chain:
-            await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
-        keys = [k for k, _, _ in chain]
-        assert (await store.lookup(keys, NS_A)).tiers == ("ssd", "ssd", "host", "host")
-        # Tenant B's namespace sees nothing of tenant A's chain.
-        assert (await store.lookup(keys, NS_B)).num_blocks == 0
-        denied = await store.acquire(keys, NS_B)
-        assert denied.lease.num_blocks == 0 and denied.slots == ()
-        assert (store.stats().gets, store.stats().misses) == (1, 1)  # counted as get() counts
-        await store.release(denied.lease.lease_id)
-        assert await store.get(keys[0], NS_B) is None
-        assert await store.delete(keys[0], NS_B) == 0
-        # The host holds 2 blocks: acquire promotes the first two and stops, leased.
-        acquired = await store.acquire(keys, NS_A)
-        assert acquired.lease.num_blocks == 2
-        arena = Arena(store)
-        assert [arena.read(s.offset, s.length) for s in acquired.slots] == [
-            chain[0][2],
-            chain[1][2],
-        ]
-        assert store.stats().tiers[1].hits == 2
-        # Two blocks served, the third held but with no room left in the arena: a miss.
-        stats = store.stats()
-        assert (stats.gets, stats.misses) == (2 + 3, 2 + 1)
-        assert stats.gets == sum(t.hits for t in stats.tiers) + stats.misses
-        await store.release(acquired.lease.lease_id)
-        assert await store.prefetch(keys[2:], NS_A) == 2
-        assert (await store.lookup(keys, NS_A)).tiers[2:] == ("host", "host")
-        arena.close()
-
-
 async def test_bad_reservations_and_no_arena(tmp_path: Path) -> None:
     async with make_store(tmp_path) as store:
         with pytest.raises(InvalidBlockError, match="parent must be 32 bytes, got 3 bytes"):
@@ -229,14 +101,6 @@ async def test_bad_reservations_and_no_arena(tmp_path: Path) -> None:
         assert disk_only.arena("") is None
         with pytest.raises(NoArenaError, match="needs the host tier"):
             await disk_only.acquire([b"k" * 32], NS_A)
-
-
-async def fill_host_with_evictable(store: BlockStore, count: int) -> None:
-    for key, parent, payload in blocks("filler", count):
-        assert await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload) in (
-            PutStatus.STORED,
-            PutStatus.DEDUP,
-        )
 
 
 async def test_a_reserve_that_finds_only_a_faulting_chunk_free_waits_instead_of_evicting(
@@ -260,76 +124,6 @@ async def test_a_reserve_that_finds_only_a_faulting_chunk_free_waits_instead_of_
         assert store.stats().tiers[0].evictions == 0
         filler = [k for k, _, _ in blocks("filler", 15)]
         assert (await store.lookup(filler, NS_A)).runs == (("host", 15),)
-
-
-async def test_a_lease_released_while_the_expiry_sweep_yields_ends_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The expiry sweep yields between leases (LoopBudget, its slice 0 s here): a lease its
-    holder releases meanwhile is not ended a second time, and every block is unleased."""
-    monkeypatch.setattr(LoopBudget.__init__, "__defaults__", (0.0,))
-    async with make_store(tmp_path, host_blocks=8, ssd=False) as store:
-        chain = blocks("leased", 4)
-        for key, parent, payload in chain:
-            await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
-        leases = [(await store.acquire([k], NS_A, ttl=1.0)).lease for k, _, _ in chain]
-        sweep = asyncio.create_task(store.maintain(now=time.monotonic() + 60))
-        await asyncio.sleep(0)  # the sweep ended the first lease and yielded
-        assert not sweep.done()
-        await store.release(leases[-1].lease_id)
-        await sweep
-        assert store.stats().expired_leases == 3
-        assert store.stats().active_leases == 0
-        assert all(store.index.find(k, NS_A).leases == 0 for k, _, _ in chain)
-
-
-async def test_concurrent_acquires_of_an_ssd_only_block_promote_it_once(tmp_path: Path) -> None:
-    async with make_store(tmp_path, host_blocks=4) as store:
-        # Step 1: the block lives only on SSD, and the arena is full of evictable blocks.
-        ((key, parent, payload),) = blocks("cold", 1)
-        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
-        await fill_host_with_evictable(store, 5)  # evicts "cold" down to SSD
-        assert (await store.lookup([key], NS_A)).tiers == ("ssd",)
-        host = store.tier("host").tier
-        assert host.usage() == 4 * BLOCK
-        # Step 2: six readers at once. One promotion; every lease points at the same slot.
-        acquired = await asyncio.gather(*(store.acquire([key], NS_A) for _ in range(6)))
-        assert store.stats().promotions == 1
-        assert {a.slots for a in acquired} == {acquired[0].slots}
-        (slot,) = acquired[0].slots
-        assert host.pinned(slot) == 6
-        arena = Arena(store)
-        assert arena.read(slot.offset, slot.length) == payload
-        # Step 3: churn the arena while the leases hold: the slot keeps the block's bytes.
-        await fill_host_with_evictable(store, 12)
-        assert arena.read(slot.offset, slot.length) == payload
-        for one in acquired:
-            await store.release(one.lease.lease_id)
-        assert host.pinned(slot) == 0
-        assert host.usage() <= host.capacity()
-        arena.close()
-
-
-async def test_a_leased_slot_outlives_delete_and_reuse(tmp_path: Path) -> None:
-    async with make_store(tmp_path, host_blocks=2, ssd=False) as store:
-        ((key, parent, payload),) = blocks("leased", 1)
-        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
-        acquired = await store.acquire([key], NS_A)
-        (slot,) = acquired.slots
-        # Deleted while leased: hidden at once, its slot neither freed nor reused.
-        assert await store.delete(key, NS_A) == 1
-        assert (await store.lookup([key], NS_A)).num_blocks == 0
-        others = [blocks(f"other{i}", 1)[0] for i in range(3)]
-        host = store.tier("host").tier
-        for k, p, b in others:  # each evicts the one before: only one slot is free
-            assert await store.put(k, p, BlockMeta(NS_A, 16, LAYOUT), b) is PutStatus.STORED
-            assert host.locate(k + NS_A) != slot
-        arena = Arena(store)
-        assert arena.read(slot.offset, slot.length) == payload
-        assert host.usage() == 2 * BLOCK
-        await store.release(acquired.lease.lease_id)
-        assert host.usage() == BLOCK  # the deleted block's slot is free at last
-        arena.close()
 
 
 async def test_a_tenant_cannot_reach_another_tenants_reservations_or_blocks(
@@ -377,51 +171,6 @@ async def test_a_commit_with_the_wrong_checksum_stores_nothing(tmp_path: Path) -
         assert await store.commit(key, NS_A, source=payload, checksum=good) is PutStatus.STORED
 
 
-async def test_a_corrupted_host_copy_is_caught_when_it_moves(tmp_path: Path) -> None:
-    async with make_store(tmp_path, host_blocks=2) as store:
-        chain = blocks("flip", 2)
-        for key, parent, payload in chain:
-            await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
-        host = store.tier("host").tier
-        # A bit flips in the daemon's memory (what a scribbling client could have done).
-        slot = host.locate(chain[1][0] + NS_A)
-        with host.view(slot) as view:
-            view[100] ^= 0x01
-        # Read by copy: the checksum catches it; the bad copy is dropped, not served.
-        assert await store.get(chain[1][0], NS_A) is None
-        assert store.stats().corrupt_blocks == 1
-        # Block 0 demoted to SSD on eviction is checked too: a good copy moves, bit-exact.
-        await fill_host_with_evictable(store, 2)
-        assert (await store.lookup([chain[0][0]], NS_A)).tiers == ("ssd",)
-        assert (await store.get(chain[0][0], NS_A)).payload == chain[0][2]
-        with host.view(host.locate(chain[0][0] + NS_A)) as view:
-            view[0] ^= 0x80
-        # Evicted again: its SSD copy already exists, so the bad host copy is dropped unread.
-        await fill_host_with_evictable(store, 4)
-        assert (await store.lookup([chain[0][0]], NS_A)).tiers == ("ssd",)
-        assert (await store.get(chain[0][0], NS_A)).payload == chain[0][2]
-        assert store.stats().corrupt_blocks == 1
-
-
-async def test_a_lease_released_before_its_grant_is_never_held(tmp_path: Path) -> None:
-    async with make_store(tmp_path, host_blocks=4) as store:
-        ((key, parent, payload),) = blocks("early", 1)
-        await store.put(key, parent, BlockMeta(NS_A, 16, LAYOUT), payload)
-        # The client gave up on its Acquire and released the id it had chosen for it.
-        with pytest.raises(UnknownLeaseError):
-            await store.release(0xABCDEF, owner="alice")
-        # Another tenant's id of the same value is unaffected.
-        theirs = await store.acquire([key], NS_A, owner="bob", lease_id=0xABCDEF)
-        assert theirs.lease.num_blocks == 1
-        # The late Acquire grants nothing: no lease, no pin, the block evictable again.
-        late = await store.acquire([key], NS_A, owner="alice", lease_id=0xABCDEF)
-        assert late.lease.num_blocks == 0 and late.slots == ()
-        assert store.stats().active_leases == 1
-        await store.release(0xABCDEF, owner="bob")
-        assert store.stats().active_leases == 0
-        assert store.tier("host").tier.pinned(theirs.slots[0]) == 0
-
-
 async def test_an_oversized_block_is_refused_before_anything_is_evicted(tmp_path: Path) -> None:
     async with make_store(tmp_path, host_blocks=4) as store:
         await fill_host_with_evictable(store, 4)
@@ -448,21 +197,6 @@ async def test_a_corrupted_host_copy_is_never_demoted(tmp_path: Path) -> None:
         assert await ssd.contains(key + NS_A) is False
         assert (await store.lookup([key], NS_A)).num_blocks == 0
         assert store.stats().corrupt_blocks == 1 and store.stats().demotions >= 1
-
-
-async def slow_evictions(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
-    """Makes every eviction take 50 ms; the event is set when the first one starts."""
-    placement = store._placement
-    real = placement.evict_one
-    started = asyncio.Event()
-
-    async def slow(slot: StoreTier) -> bool:
-        started.set()
-        await asyncio.sleep(0.05)
-        return await real(slot)
-
-    monkeypatch.setattr(placement, "evict_one", slow)
-    return started
 
 
 async def test_a_reserve_cancelled_while_evicting_leaves_the_key_writable(
@@ -549,8 +283,8 @@ async def test_small_blocks_are_summed_on_the_loop_and_large_ones_in_a_thread(
     """A 2 MiB commit of 16 KiB blocks is copied and summed on the loop, between other
     callbacks (in a thread, its per-block Python held the GIL nearly throughout); one of
     256 KiB blocks goes to one worker thread. Either way every byte lands and is summed."""
-    import kvstore.arena as arena_module
-    from kvstore.arena import Commit
+    import kvstore.writes as arena_module
+    from kvstore.writes import Commit
 
     layout = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=block_tokens, head_dim=64,
                          dtype="float16")  # fmt: skip
@@ -590,3 +324,54 @@ async def test_small_blocks_are_summed_on_the_loop_and_large_ones_in_a_thread(
         ]
         await store.release(acquired.lease.lease_id)
         arena.close()
+
+
+async def test_a_put_the_arena_has_no_room_for_is_reserved_without_a_slot_and_stored_below(
+    tmp_path: Path,
+) -> None:
+    """A put is a reservation and a commit: with every arena slot leased, the reservation
+    has no slot and its commit stores the payload in the tier below (write-through), which
+    then serves it; no reservation is left behind."""
+    host = HostTier(2 * BLOCK)
+    disk = SsdTier(tmp_path / "ssd", 16 * (BLOCK + 1024), fsync=False)
+    store = BlockStore(
+        [
+            StoreTier(host, None, write_policy("write_through", 1)),
+            StoreTier(disk, Codec.LZ4, write_policy("write_through", 1)),
+        ],
+        eviction=LruPolicy(),
+    )
+    async with store:
+        chain = blocks("spill", 3)
+        meta = BlockMeta(NS_A, 16, LAYOUT)
+        for key, parent, payload in chain[:2]:
+            assert await store.put(key, parent, meta, payload) is PutStatus.STORED
+        lease = await store.acquire([key for key, _, _ in chain[:2]], NS_A)
+        assert len(lease.slots) == 2  # the arena is full of leased blocks
+        key, parent, payload = chain[2]
+        assert await store.put(key, parent, meta, payload) is PutStatus.STORED
+        assert host.usage() == 2 * BLOCK
+        assert store.stats().active_reservations == 0
+        block = await store.get(key, NS_A)
+        assert block is not None and block.tier == "ssd" and bytes(block.payload) == payload
+        await store.release(lease.lease.lease_id)
+
+
+async def test_a_put_without_a_host_tier_checks_the_writers_checksum(tmp_path: Path) -> None:
+    """Without an arena, the put's commit sums the payload itself: a checksum that does not
+    match stores nothing and leaves the key writable; the right one stores it."""
+    disk = SsdTier(tmp_path / "ssd", 16 * (BLOCK + 1024), fsync=False)
+    store = BlockStore([StoreTier(disk, Codec.LZ4, write_policy("write_through", 1))],
+                       eviction=LruPolicy())  # fmt: skip
+    async with store:
+        (key, parent, payload), *_ = blocks("sum", 1)
+        meta = BlockMeta(NS_A, 16, LAYOUT)
+        good = payload_checksum(payload)
+        assert await store.put(key, parent, meta, payload, checksum=good ^ 1) is (
+            PutStatus.CHECKSUM_MISMATCH
+        )
+        assert store.stats().corrupt_writes == 1 and await store.get(key, NS_A) is None
+        assert await store.put(key, parent, meta, payload, checksum=good) is PutStatus.STORED
+        block = await store.get(key, NS_A)
+        assert block is not None and bytes(block.payload) == payload and block.checksum == good
+        assert store.stats().active_reservations == 0 and disk.usage() > 0
