@@ -103,12 +103,15 @@ class ReadPath:
         *,
         owner: object = None,
         lease_id: int = 0,
+        count_stop: bool = True,
     ) -> Acquired:
         """Leases the leading held blocks of ``keys``, promoted into the arena and pinned.
 
         A block already in the arena costs no await (the common case: a hit on the host
         tier) but the loop's yield once a ``LoopBudget`` slice has run; its hit is counted
         as :meth:`Placement.record_hit` counts one, the counters once per call.
+        ``count_stop``: count the key it stopped at (a miss, or no room) as a get that
+        missed; the Get stream leaves that key to the copy read that follows.
         """
         host = self._require_host()
         nodes: list[Node] = []
@@ -151,7 +154,8 @@ class ReadPath:
         finally:
             for node in nodes:
                 node.let_go()
-            placement.count_gets(tried, misses)
+            stopped = misses if count_stop else 0  # else the copy read counts that key
+            placement.count_gets(tried - misses + stopped, stopped)
             if hits:  # as Placement.record_hit counts each, for the whole call at once
                 counts = placement.counts
                 counts[f"hits.{top}"] += hits
@@ -223,7 +227,7 @@ class ReadPath:
         """The leading held blocks of ``keys``, leased and pinned until the context exits."""
         host = self._require_host()
         found = await self.lookup(keys, namespace)  # before promotion moves them up
-        acquired = await self.acquire(keys, namespace, None, owner=_OWNER)
+        acquired = await self.acquire(keys, namespace, None, owner=_OWNER, count_stop=False)
         pinned: list[Slot] = []
         views: list[memoryview] = []
         try:

@@ -2,7 +2,7 @@
 
 - ``KVStoreServicer`` (:mod:`kvstore.servicer`) turns protos into plain values and back;
   ``STATUS_CODES`` there is the one table from the :mod:`kvstore.errors` tree to gRPC status
-  codes (an error outside it is a bug: gRPC logs it and the client sees UNKNOWN).
+  codes (an error outside it is a bug: the servicer logs it and answers INTERNAL).
 - ``AuthInterceptor`` checks ``authorization: Bearer <token>`` on every call when
   ``auth.tokens`` is set (the health service stays open to probes).
 - ``create_server(config, store)`` binds every listen address (unix sockets get

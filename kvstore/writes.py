@@ -168,6 +168,8 @@ class WritePath:
             self._index.discard(node.id)
             self._counts["dropped_saves"] += 1
             return Reserved(PutStatus.NO_SPACE)
+        if slot is None:  # spilled: the arena could not take it, the tiers below may
+            self._counts[f"failed_writes.{self._top.name}"] += 1
         self._hold(node, slot, ttl, owner)
         return Reserved(PutStatus.RESERVED, slot)
 
@@ -352,10 +354,13 @@ class WritePath:
         return PutStatus.STORED
 
     async def _store_whole(self, node: Node, payload: Buffer) -> PutStatus:
+        """Stores a block reserved without a slot: in the top tier unless it is the arena
+        (which had no room for it: the reservation tried), and in the tiers that take a copy
+        at put."""
         placement = self._placement
         try:
             with node.working():
-                stored = await placement.store_in(self._top, node, payload)
+                stored = self._host is None and await placement.store_in(self._top, node, payload)
                 stored = await placement.write_through(node, payload) or stored
         except BaseException:
             await self._forget(node)

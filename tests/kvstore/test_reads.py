@@ -4,6 +4,7 @@ budgets, leases against expiry and deletes, promotion into a full arena, corrupt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -215,3 +216,22 @@ async def test_a_corrupted_host_copy_is_caught_when_it_moves(tmp_path: Path) -> 
         assert (await store.lookup([chain[0][0]], NS_A)).tiers == ("ssd",)
         assert (await store.get(chain[0][0], NS_A)).payload == chain[0][2]
         assert store.stats().corrupt_blocks == 1
+
+
+async def test_the_get_streams_leased_blocks_and_copies_count_each_key_once(
+    tmp_path: Path,
+) -> None:
+    """The Get stream leases what the arena takes and copies the rest: a key the lease
+    stopped at (no room) is counted once, as the copy read's hit, not also as a miss."""
+    async with make_store(tmp_path, host_blocks=2) as store:
+        keys = await put_chain(store, blocks("counted", 3))  # the first is on SSD only
+        lease = await store.acquire(keys[1:], NS_A)  # the arena is full of leased blocks
+        assert len(lease.slots) == 2
+        before = store.stats()
+        async with contextlib.aclosing(store.held(keys, NS_A, BLOCK)) as stream:
+            leased = [block async for block in stream]
+        copied = [await store.get(key, NS_A) for key in keys[len(leased) :]]
+        after = store.stats()
+        assert len(leased) + len(copied) == 3 and all(copied)
+        assert (after.gets - before.gets, after.misses - before.misses) == (3, 0)
+        await store.release(lease.lease.lease_id)

@@ -351,7 +351,8 @@ async def test_a_put_the_arena_has_no_room_for_is_reserved_without_a_slot_and_st
         key, parent, payload = chain[2]
         assert await store.put(key, parent, meta, payload) is PutStatus.STORED
         assert host.usage() == 2 * BLOCK
-        assert store.stats().active_reservations == 0
+        stats = store.stats()
+        assert stats.active_reservations == 0 and stats.tiers[0].failed_writes == 1
         block = await store.get(key, NS_A)
         assert block is not None and block.tier == "ssd" and bytes(block.payload) == payload
         await store.release(lease.lease.lease_id)
