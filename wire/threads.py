@@ -10,12 +10,10 @@
   lanes) with ``THREAD_BYTES``;
 - ``pread_exactly(fd, offset, length)`` reads ``length`` bytes at ``offset`` (one ``pread``
   stops at about 2 GiB);
-- ``copy_arrays(pairs)`` copies byte arrays, a large copy split over up to ``COPY_LANES``
-  threads: one thread's memcpy moves about half of what the memory can (numpy copies release
-  the GIL);
-- ``copy_spans(spans)`` does the same for ``(source address, target address, length)``
-  spans, for callers that hold many blocks: a span costs no array of its own (``memmove``
-  through ctypes, which releases the GIL too). The caller checks the spans and keeps their
+- ``copy_spans(spans)`` copies ``(source address, target address, length)`` spans, a large
+  copy split over up to ``COPY_LANES`` threads: one thread's memcpy moves about half of what
+  the memory can. A span costs no array of its own (``memmove`` through ctypes, which
+  releases the GIL). The caller checks the spans and keeps their
   memory alive and mapped until it returns.
 
 Shared by the host tier and the client's shared-memory mappings.
@@ -32,15 +30,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor  # loads the executor module now, not later
 from typing import TypeVar
 
-import numpy as np
-import numpy.typing as npt
-
 __all__ = [
     "COPY_LANES",
     "COPY_THREAD_BYTES",
     "THREAD_BYTES",
     "Span",
-    "copy_arrays",
     "copy_spans",
     "offload",
     "pread_exactly",
@@ -48,7 +42,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Bytes = npt.NDArray[np.uint8]
 Span = tuple[int, int, int]  # (source address, target address, length)
 ShareT = TypeVar("ShareT")
 
@@ -65,45 +58,11 @@ COPY_THREAD_BYTES = 4 << 20
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
 
 
-def copy_arrays(pairs: Sequence[tuple[Bytes, Bytes]]) -> None:
-    """``np.copyto(dst, src)`` for each ``(src, dst)`` pair of flat uint8 arrays; with at least
-    ``2 * LANE_BYTES`` in all, the bytes are cut into up to ``COPY_LANES`` equal shares, one
-    copied on this thread and the others in a pool. Returns once every share is copied (also
-    when one fails, whose error it then raises)."""
-    total = sum(src.nbytes for src, _ in pairs)
-    lanes = min(COPY_LANES, total // LANE_BYTES)
-    if lanes < 2:
-        _copy_share(pairs)
-        return
-    _in_lanes(_shares(pairs, -(-total // lanes)), _copy_share)
-
-
-def _shares(pairs: Sequence[tuple[Bytes, Bytes]], size: int) -> list[list[tuple[Bytes, Bytes]]]:
-    """The pairs cut into consecutive shares of ``size`` bytes (the last one: the rest)."""
-    shares: list[list[tuple[Bytes, Bytes]]] = [[]]
-    room = size
-    for src, dst in pairs:
-        start, end = 0, src.nbytes
-        while start < end:
-            if room == 0:
-                shares.append([])
-                room = size
-            stop = min(end, start + room)
-            shares[-1].append((src[start:stop], dst[start:stop]))
-            room -= stop - start
-            start = stop
-    return shares
-
-
-def _copy_share(pairs: Sequence[tuple[Bytes, Bytes]]) -> None:
-    for src, dst in pairs:
-        np.copyto(dst, src)
-
-
 def copy_spans(spans: Sequence[Span], lanes: int | None = None) -> None:
     """``memmove(target, source, length)`` for each span, cut into up to ``lanes`` (default
-    ``COPY_LANES``) equal shares as :func:`copy_arrays` cuts its pairs. Returns once every
-    share is copied.
+    ``COPY_LANES``) equal shares of at least ``LANE_BYTES``, one copied on this thread and the
+    others in a pool. Returns once every share is copied (also when one fails, whose error it
+    then raises).
 
     Nothing is checked here: every span must lie in memory that stays mapped, readable at
     the source and writable at the target, until this returns.
