@@ -275,10 +275,15 @@ class LayerLoad:
             blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, self._pool.rope)
             load_blocks(blocks, self._pool.kv_pool[layer : layer + 1], slots)
 
-        with self._signals.writing():
-            for layer in range(self._pool.num_layers):
-                if not self._write_layer(layer, write):
-                    break
+        try:
+            with self._signals.writing():
+                for layer in range(self._pool.num_layers):
+                    if not self._write_layer(layer, write):
+                        break
+        finally:
+            # ``staging`` goes back to the caching allocator on return, on this thread's
+            # stream: the side stream must have read it by then, or new work could reuse it.
+            self._signals.synchronize()
 
     def _wait_for_pages(self) -> torch.Tensor | None:
         """The pages ``start`` named; None when it did not within ``hold_s`` (the blocks are
