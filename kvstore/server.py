@@ -262,7 +262,7 @@ class TierHealthServicer(health.aio.HealthServicer):  # type: ignore[misc]  # un
         self._shown: dict[str, bool] = {}
 
     async def refresh(self) -> None:
-        states = {TIER_HEALTH + slot.name: slot.tier.healthy() for slot in self._store.tiers}
+        states = {TIER_HEALTH + level.name: level.tier.healthy() for level in self._store.tiers}
         states[TIERS_HEALTH] = all(states.values())
         for name, up in states.items():
             if self._shown.get(name) != up:
@@ -466,7 +466,7 @@ def reload(
     if new.server.log_level != old.server.log_level:
         logging.getLogger().setLevel(new.server.log_level.upper())
         applied.append(f"server.log_level {new.server.log_level}")
-    names = {slot.name for slot in store.tiers}
+    names = {level.name for level in store.tiers}
     for section in TIER_SECTIONS:
         ttl = getattr(new, section).ttl
         if ttl != getattr(old, section).ttl and section in names:

@@ -576,9 +576,9 @@ def test_the_eviction_order_holds_each_tiers_leaves_under_random_operations(
                     store.policy.protect([key + NAMESPACE for key in keys_of(blocks)], 1e18)
                 elif op == "maintain":
                     await store.maintain()
-                for slot in store.tiers:
-                    assert set(store.policy.victims(slot.name)) == tier_leaves(
-                        store.index, slot.name
+                for level in store.tiers:
+                    assert set(store.policy.victims(level.name)) == tier_leaves(
+                        store.index, level.name
                     )
                 for keys in map(keys_of, chains):  # lookups' runs, against a walk per block
                     found = await store.lookup(keys, NAMESPACE)
@@ -620,7 +620,7 @@ def top_tiers(store: BlockStore, keys: list[bytes]) -> tuple[str, ...]:
         node = store.index.find(key, NAMESPACE)
         if node is None or not node.committed or node.doomed or not node.tiers:
             break
-        found.append(next(slot.name for slot in store.tiers if slot.name in node.tiers))
+        found.append(next(level.name for level in store.tiers if level.name in node.tiers))
     return tuple(found)
 
 

@@ -98,10 +98,10 @@ async def slow_evictions(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> 
     real = placement.evict_one
     started = asyncio.Event()
 
-    async def slow(slot: StoreTier) -> bool:
+    async def slow(level: StoreTier) -> bool:
         started.set()
         await asyncio.sleep(0.05)
-        return await real(slot)
+        return await real(level)
 
     monkeypatch.setattr(placement, "evict_one", slow)
     return started
