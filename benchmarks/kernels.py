@@ -16,6 +16,9 @@ says which path ran. Each row is compared with a plain mechanism on the same dev
 
 Every measurement runs one untimed warm-up call, then ``R`` timed calls; a row shows the
 median. ``--size large`` (the default on CUDA) uses Llama-3-8B-like heads and long contexts.
+Each row shows the ratio (limit's time / kernel's time) and, for the Triton kernels on CUDA,
+whether it reaches its target (decode >= 0.8x, copy+RoPE >= 0.85x, prefill >= 1.0x); on the
+CPU the rows are "info".
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from kvstore.kernels.attention import PATH_TUNER, PREFILL_TUNER
+from kvstore.kernels.copy import COPY_TUNER
+from kvstore.kernels.decode import DECODE_TUNER
 from kvstore.kernels.dispatch import (
     decode_attention,
     kernel_backend,
@@ -47,17 +53,31 @@ SIZES = {
     "large": (32, 4096, 8, 32, [2048, 1024, 4096, 0], 1024),
 }
 BLOCK_TOKENS = 256
+COPY_LIMIT = "copy_ of the same bytes"
+SDPA_LIMIT = "scaled_dot_product_attention, dense"
+# The ratios a CUDA run of the Triton kernels must reach (limit's time / kernel's time).
+DECODE_TARGET, COPY_TARGET, PREFILL_TARGET = 0.8, 0.85, 1.0
 
 
 @dataclass(frozen=True)
 class Row:
+    """A kernel's median time beside its limit's, measured in the same run on the same work."""
+
     name: str
     seconds: float
     amount: float  # bytes moved, or flops
     unit: str
+    limit: str  # the plain mechanism it is compared with
+    limit_seconds: float
+    target: float  # the ratio (limit's time / kernel's time) a GPU run must reach
 
-    def rate(self) -> float:
-        return self.amount / self.seconds / (GB if self.unit == "GB/s" else 1e12)
+    def rate(self, seconds: float | None = None) -> float:
+        spent = self.seconds if seconds is None else seconds
+        return self.amount / spent / (GB if self.unit == "GB/s" else 1e12)
+
+    @property
+    def ratio(self) -> float:
+        return self.limit_seconds / self.seconds
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -110,10 +130,8 @@ def bench_decode(
     )
     moved = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * pool.element_size() + 2 * q.nbytes
     label = f"decode attention (batch {batch}, context {context})"
-    return [
-        Row(label, seconds, moved, "GB/s"),
-        Row("  copy_ of the same bytes", copy_baseline(moved, device, repeats), moved, "GB/s"),
-    ]
+    limit = copy_baseline(moved, device, repeats)
+    return [Row(label, seconds, moved, "GB/s", COPY_LIMIT, limit, DECODE_TARGET)]
 
 
 def bench_copy(
@@ -137,10 +155,10 @@ def bench_copy(
     load = timed(lambda: load_blocks(staging, pool, slots, positions, rope), device, repeats)
     save = timed(lambda: save_blocks(pool, staging, slots, positions, rope), device, repeats)
     label = f"({blocks} blocks x {layers} layers x {BLOCK_TOKENS} tokens)"
+    limit = copy_baseline(moved, device, repeats)
     return [
-        Row(f"copy+RoPE load {label}", load, moved, "GB/s"),
-        Row(f"copy+RoPE save {label}", save, moved, "GB/s"),
-        Row("  copy_ of the same bytes", copy_baseline(moved, device, repeats), moved, "GB/s"),
+        Row(f"copy+RoPE load {label}", load, moved, "GB/s", COPY_LIMIT, limit, COPY_TARGET),
+        Row(f"copy+RoPE save {label}", save, moved, "GB/s", COPY_LIMIT, limit, COPY_TARGET),
     ]
 
 
@@ -174,12 +192,25 @@ def bench_prefill(
     visible = sum(new * prefix + new * (new + 1) // 2 for prefix in prefixes)
     flops = 4 * visible * NUM_HEADS * HEAD_DIM
     label = f"prefill attention (prefixes {prefixes}, {new} new tokens each)"
-    return [
-        Row(label, paged, flops, "TFLOP/s"),
-        Row(
-            "  scaled_dot_product_attention, dense", timed(sdpa, device, repeats), flops, "TFLOP/s"
-        ),
+    limit = timed(sdpa, device, repeats)
+    return [Row(label, paged, flops, "TFLOP/s", SDPA_LIMIT, limit, PREFILL_TARGET)]
+
+
+def table(rows: list[Row], judged: bool) -> str:
+    """The rows as a Markdown table; pass/fail only where ``judged`` (else "info")."""
+    lines = [
+        "| kernel | ms | rate | limit | limit ms | limit rate | ratio | target | pass/fail |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
+    for row in rows:
+        verdict = ("pass" if row.ratio >= row.target else "fail") if judged else "info"
+        lines.append(
+            f"| {row.name} | {row.seconds * 1e3:.3f} | {row.rate():.3f} {row.unit} | "
+            f"{row.limit} | {row.limit_seconds * 1e3:.3f} | "
+            f"{row.rate(row.limit_seconds):.3f} {row.unit} | {row.ratio:.2f} | "
+            f">= {row.target:g}x | {verdict} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -207,9 +238,15 @@ def main() -> None:
     rows = bench_decode(batch, context, dtype, device, args.repeats)
     rows += bench_copy(blocks, layers, dtype, device, args.repeats)
     rows += bench_prefill(prefixes, new, dtype, device, args.repeats)
-    width = max(len(row.name) for row in rows)
-    for row in rows:
-        print(f"{row.name:<{width}}  {row.seconds * 1e3:9.3f} ms  {row.rate():9.3f} {row.unit}")
+    judged = backend == "triton" and device.type == "cuda"  # the targets are the GPU's
+    print(table(rows, judged))
+    chosen = {
+        tuner.name: {str(key): name for key, name in tuner.chosen().items()}
+        for tuner in (DECODE_TUNER, COPY_TUNER, PREFILL_TUNER, PATH_TUNER)
+    }
+    for tuned, picks in chosen.items():
+        for key, name in picks.items():
+            print(f"chosen on this device: {tuned} {key}: {name}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(
@@ -218,7 +255,8 @@ def main() -> None:
                     "device": where,
                     "dtype": args.dtype,
                     "size": size,
-                    "rows": [asdict(row) for row in rows],
+                    "rows": [asdict(row) | {"ratio": row.ratio} for row in rows],
+                    "chosen": chosen,
                 },
                 out,
                 indent=2,
