@@ -91,7 +91,7 @@ timeout 300 "$PY" -P -m pytest -p no:cacheprovider -m gpu -rs -q tests 2>&1 \
 KVSTORE_TEST_DEVICE=$DEVICE timeout 120 "$PY" -P -m pytest -p no:cacheprovider -q \
     tests/inference_adapter/vllm/test_layout.py 2>&1 | tee "$OUT/layout-$DEVICE.txt" || status=1
 if [ "$DEVICE" = cuda ]; then
-    timeout 150 "$PY" -P -m benchmarks.kernels --device cuda 2>&1 | tee "$OUT/kernels.txt" \
+    timeout 240 "$PY" -P -m benchmarks.kernels --device cuda 2>&1 | tee "$OUT/kernels.txt" \
         || status=1
     for model in 1b 8b; do
         timeout 200 "$PY" -P -m kvstore bench gpu --model "$model" \

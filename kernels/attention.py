@@ -26,10 +26,13 @@ gather the pages densely and run a masked softmax in float32.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -42,8 +45,11 @@ from kvstore.kernels._checks import (
     head_dim_tile,
 )
 from kvstore.kernels.paged import check_caches, gather_tokens
+from kvstore.kernels.tuning import Launch, Tuner, bucket
 
 LOG2_E = 1.4426950408889634
+PREFILL_TUNER = Tuner("prefill_attention launch")
+PATH_TUNER = Tuner("prefill_attention path")
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -68,9 +74,12 @@ def attend_pages(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """Fold keys ``start .. end - 1`` of one sequence into a running softmax (flash
-    attention, one KV head); returns the updated acc, l_i, m_i."""
+    attention, one KV head); returns the updated acc, l_i, m_i. ``CAUSAL``: a row sees only
+    keys at positions up to ``q_positions``; without it, every key in the range is visible
+    to every row (the tiles below a prefill tile's diagonal, and decode)."""
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     for block_start in range(start, end, BLOCK_N):
@@ -86,7 +95,10 @@ def attend_pages(  # type: ignore[no-untyped-def]
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = key_ok[None, :] & (keys[None, :] <= q_positions[:, None])
+        if CAUSAL:
+            visible = key_ok[None, :] & (keys[None, :] <= q_positions[:, None])
+        else:
+            visible = key_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -143,10 +155,13 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
 
     table = block_tables_ptr + seq.to(tl.int64) * table_stride
     head_offset = (head // GROUP).to(tl.int64) * cache_stride_head
-    # Causal: no query of this tile sees past its last position. Key 0 is visible to every
-    # row, so the running max is finite after the first key block.
+    # Causal: no query of this tile sees past its last position. The key tiles wholly at or
+    # before its first query's position are visible to every row: no mask; only the tiles
+    # from there to the end cross the diagonal. Key 0 is visible to every row, so the
+    # running max is finite after the first key block.
     end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
-    acc, l_i, _ = attend_pages(
+    below = (seq_len - q_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = attend_pages(
         tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
         tl.zeros([BLOCK_M], tl.float32),
         tl.full([BLOCK_M], float("-inf"), tl.float32),
@@ -160,6 +175,29 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
         cache_stride_token,
         page_tokens,
         0,
+        below,
+        scale_log2,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_FP32,
+        DOT_PRECISION,
+        False,
+    )
+    acc, l_i, _ = attend_pages(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_positions,
+        k_ptr,
+        v_ptr,
+        table,
+        head_offset,
+        cache_stride_page,
+        cache_stride_token,
+        page_tokens,
+        below,
         end,
         scale_log2,
         BLOCK_N,
@@ -167,6 +205,7 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
         BLOCK_D,
         DOT_FP32,
         DOT_PRECISION,
+        True,
     )
     out = acc / l_i[:, None]
     out_rows = (q_start + rows).to(tl.int64) * out_stride_token + head * HEAD_DIM
@@ -251,6 +290,7 @@ def prefill_attention_triton(
     *,
     max_query_len: int,
     scale: float | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Triton: causal attention of new tokens over their cached prefix and themselves.
 
@@ -265,6 +305,8 @@ def prefill_attention_triton(
         max_query_len: The largest query count of any sequence (sizes the grid; a sequence
             with more queries gets unwritten output rows).
         scale: Softmax scale, ``1/sqrt(head_dim)`` when None.
+        launch: Tiles, warps and stages; None: the fastest of ``prefill_launches`` for this
+            shape on this GPU (:mod:`kvstore.kernels.tuning`), the default off CUDA.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
@@ -280,31 +322,127 @@ def prefill_attention_triton(
     batch = seq_lens.numel()
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
-    block_m, block_n = tile_sizes(q)
-    grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
-    _prefill_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        cu_seqlens_q,
-        seq_lens,
-        block_tables,
-        scale * LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        *k_cache.stride()[:3],
-        block_tables.stride(0),
-        k_cache.size(1),
-        GROUP=num_heads // k_cache.size(2),
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_dim_tile(head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        **dot_options(q),
+
+    def run(chosen: Launch) -> torch.Tensor:
+        block_m = chosen.block_m or tile_sizes(q)[0]
+        grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+        _prefill_attention_kernel[grid](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            scale * LOG2_E,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            *k_cache.stride()[:3],
+            block_tables.stride(0),
+            k_cache.size(1),
+            GROUP=num_heads // k_cache.size(2),
+            HEAD_DIM=head_dim,
+            BLOCK_D=head_dim_tile(head_dim),
+            BLOCK_M=block_m,
+            BLOCK_N=chosen.block_n or tile_sizes(q)[1],
+            **chosen.options(),
+            **dot_options(q),
+        )
+        return out
+
+    if launch is not None:
+        return run(launch)
+    candidates = {
+        str(c): functools.partial(run, c) for c in prefill_launches(q.dtype, cuda=q.is_cuda)
+    }
+    return PREFILL_TUNER.run(prefill_key(q, k_cache, block_tables), candidates, q.device)
+
+
+def prefill_launches(dtype: torch.dtype, *, cuda: bool) -> list[Launch]:
+    """The prefill kernel's launch settings tried on CUDA, the default first: query tiles
+    of 64 or 128, key tiles of 32 to 128, 4 or 8 warps, 2 or 3 stages."""
+    if not cuda:
+        return [Launch()]
+    if dtype == torch.float32:
+        return [Launch(), Launch(32, 4, 2, 64), Launch(16, 4, 2, 32)]
+    return [Launch(), Launch(64, 8, 3, 128), Launch(64, 4, 3, 128), Launch(32, 4, 3, 64),
+            Launch(64, 4, 2, 64), Launch(128, 8, 2, 64)]  # fmt: skip
+
+
+def prefill_key(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor) -> object:
+    """A prefill call's shape for the tuners: fixed sizes as they are, the varying ones
+    (tokens, batch, pages of the longest sequence) in powers of two."""
+    num_heads, head_dim = q.shape[1:]
+    page_tokens, num_kv_heads = k_cache.shape[1:3]
+    return (q.dtype, head_dim, num_heads // num_kv_heads, page_tokens, bucket(q.size(0)),
+            bucket(block_tables.size(0)), bucket(block_tables.size(1) * page_tokens))  # fmt: skip
+
+
+def prefill_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` per sequence over its pages gathered densely: the
+    other path :func:`prefill_attention_fastest` may pick. Arguments and result as
+    ``prefill_attention_triton``; it reads the lengths on the host (a device sync).
+
+    Raises:
+        ValueError: As the reference.
+    """
+    scale = _check_prefill_args(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len, scale
     )
-    return out
+    return _per_sequence(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                         functools.partial(_sdpa, scale=scale))  # fmt: skip
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`attend` by ``scaled_dot_product_attention``, in the tensors' dtype."""
+    new, seq_len = q.size(0), k.size(0)
+    mask = None
+    if new != seq_len:  # the queries sit at the end: each sees its prefix and itself
+        mask = torch.ones(new, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - new)
+    heads_first = [x.transpose(0, 1)[None] for x in (q, k, v)]  # [1, heads, tokens, dim]
+    found = F.scaled_dot_product_attention(
+        heads_first[0], heads_first[1], heads_first[2], attn_mask=mask,
+        is_causal=mask is None, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return found[0].transpose(0, 1)
+
+
+def prefill_attention_fastest(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Prefill by the faster path for this shape on this GPU: the paged Triton kernel (its
+    launch tuned too), or SDPA over the gathered pages; the choice is logged once per shape
+    (:mod:`kvstore.kernels.tuning`). Off CUDA, the Triton kernel. Arguments and result as
+    ``prefill_attention_triton``."""
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    candidates = {
+        "triton": functools.partial(
+            prefill_attention_triton, *args, max_query_len=max_query_len, scale=scale
+        ),
+        "sdpa": functools.partial(
+            prefill_attention_sdpa, *args, max_query_len=max_query_len, scale=scale
+        ),
+    }
+    return PATH_TUNER.run(prefill_key(q, k_cache, block_tables), candidates, q.device)
 
 
 def dot_options(q: torch.Tensor) -> dict[str, bool | str | None]:
@@ -337,8 +475,10 @@ def prefill_attention_reference(
     *,
     max_query_len: int,
     scale: float | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
-    """Torch reference of ``prefill_attention_triton`` (same arguments, same result).
+    """Torch reference of ``prefill_attention_triton`` (same arguments, same result;
+    ``launch`` is ignored).
 
     Reads the lengths on the host, so it also checks them: a sequence with more queries than
     KV tokens, or more tokens than its pages hold, raises ValueError.
@@ -346,6 +486,21 @@ def prefill_attention_reference(
     scale = _check_prefill_args(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len, scale
     )
+    return _per_sequence(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                         functools.partial(attend, scale=scale))  # fmt: skip
+
+
+def _per_sequence(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    attend_one: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``attend_one(queries, keys, values)`` of each sequence, its pages gathered densely;
+    the lengths read on the host and checked (ValueError naming the sequence)."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     offsets, lengths = cu_seqlens_q.tolist(), seq_lens.tolist()
     for seq, ((q_start, q_end), seq_len) in enumerate(
@@ -359,7 +514,7 @@ def prefill_attention_reference(
             continue
         keys = gather_tokens(k_cache, block_tables[seq], seq_len)
         values = gather_tokens(v_cache, block_tables[seq], seq_len)
-        out[q_start:q_end] = attend(q[q_start:q_end], keys, values, scale)
+        out[q_start:q_end] = attend_one(q[q_start:q_end], keys, values)
     return out
 
 

@@ -25,6 +25,8 @@ nearest-even by hand because the Triton interpreter truncates.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,10 +41,15 @@ from kvstore.kernels._checks import (
 )
 from kvstore.kernels.paged import POOL_SHAPE
 from kvstore.kernels.rope import RopeTables, apply_rope
+from kvstore.kernels.tuning import Launch, Tuner, bucket
 
 STAGING_SHAPE = "[num_blocks, num_layers, 2, block_tokens, num_kv_heads, head_dim]"
 TOKENS_SHAPE = "[num_blocks, block_tokens]"
-MAX_BLOCK_T = 64
+# Elements of K (and as many of V) one copy program moves: 16 KiB of each in 16-bit dtypes on
+# CUDA; less under the interpreter, whose tests then reach several tiles per block.
+COPY_TILE_ELEMENTS = 8192
+COPY_TUNER = Tuner("copy_blocks")
+INTERPRETER_TILE_ELEMENTS = 1024
 
 
 @triton.jit
@@ -72,31 +79,30 @@ def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
     num_kv_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     ROTATE: tl.constexpr,
     SAVE: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    tiles = tl.cdiv(block_tokens, BLOCK_T)
+    # A program moves BLOCK_R (token, head) rows of one block's layer, every head of a token
+    # side by side: in the staging buffer they are one contiguous run of bytes.
+    tiles = tl.cdiv(block_tokens * num_kv_heads, BLOCK_R)
     block = (tl.program_id(0) // tiles).to(tl.int64)
-    tokens = (tl.program_id(0) % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = (tl.program_id(0) % tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
     layer = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2).to(tl.int64)
+    tokens = rows // num_kv_heads
+    heads = rows % num_kv_heads
 
     in_block = tokens < block_tokens
     token_index = block * block_tokens + tokens
     slots = tl.load(slots_ptr + token_index, mask=in_block, other=-1).to(tl.int64)
     valid = in_block & (slots >= 0)
     mask = valid[:, None]
-    staging_rows = (
-        block * staging_stride_block
-        + layer * staging_stride_layer
-        + (tokens * num_kv_heads + head) * HEAD_DIM
-    )
+    staging_rows = block * staging_stride_block + layer * staging_stride_layer + rows * HEAD_DIM
     pool_rows = (
         layer * pool_stride_layer
         + (slots // page_tokens) * pool_stride_page
-        + ((slots % page_tokens) * num_kv_heads + head) * HEAD_DIM
+        + ((slots % page_tokens) * num_kv_heads + heads) * HEAD_DIM
     )
     if SAVE:
         src_k = pool_ptr + pool_rows
@@ -135,6 +141,13 @@ def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
         tl.store(dst_k[:, None] + HEAD_DIM // 2 + half, y2.to(out_type), mask=half_lanes)
     else:
         tl.store(dst_k[:, None] + dims, tl.load(src_k[:, None] + dims, mask=lanes), mask=lanes)
+
+
+def copy_rows(block_rows: int, head_dim: int, *, cuda: bool) -> int:
+    """(token, head) rows one copy program moves: about ``COPY_TILE_ELEMENTS`` elements of K
+    and as many of V on CUDA, a power of two no larger than the block needs."""
+    budget = COPY_TILE_ELEMENTS if cuda else INTERPRETER_TILE_ELEMENTS
+    return min(budget // head_dim_tile(head_dim), int(triton.next_power_of_2(block_rows)))
 
 
 def _check_copy_args(
@@ -199,40 +212,64 @@ def _copy_blocks_triton(
     rope: RopeTables | None,
     *,
     save: bool,
+    launch: Launch | None,
 ) -> None:
     _check_copy_args(staging, kv_pool, slot_mapping, positions, rope)
     num_blocks, num_layers, _, block_tokens, num_kv_heads, head_dim = staging.shape
     if num_blocks == 0:
         return
-    block_t = min(MAX_BLOCK_T, triton.next_power_of_2(block_tokens))
-    grid = (num_blocks * triton.cdiv(block_tokens, block_t), num_layers, num_kv_heads)
     # Without rope the kernel never reads these; any valid pointer will do.
     table = rope.cos if rope is not None else slot_mapping
-    _copy_blocks_kernel[grid](
-        staging,
-        kv_pool,
-        slot_mapping,
-        positions if positions is not None else slot_mapping,
-        table,
-        rope.sin if rope is not None else slot_mapping,
-        staging.stride(0),
-        staging.stride(1),
-        staging.stride(2),
-        kv_pool.stride(0),
-        kv_pool.stride(1),
-        kv_pool.stride(2),
-        block_tokens,
-        kv_pool.size(3),
-        num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_dim_tile(head_dim),
-        BLOCK_T=block_t,
-        ROTATE=rope is not None,
-        SAVE=save,
-        ROUND_BF16=kv_pool.dtype == torch.bfloat16,
-        # No fused multiply-add: the torch reference rounds every product, so must we.
-        enable_fp_fusion=False,
-    )
+
+    rows = block_tokens * num_kv_heads
+
+    def run(chosen: Launch) -> None:
+        block_r = chosen.block_n or copy_rows(rows, head_dim, cuda=kv_pool.is_cuda)
+        grid = (num_blocks * triton.cdiv(rows, block_r), num_layers)
+        _copy_blocks_kernel[grid](
+            staging,
+            kv_pool,
+            slot_mapping,
+            positions if positions is not None else slot_mapping,
+            table,
+            rope.sin if rope is not None else slot_mapping,
+            staging.stride(0),
+            staging.stride(1),
+            staging.stride(2),
+            kv_pool.stride(0),
+            kv_pool.stride(1),
+            kv_pool.stride(2),
+            block_tokens,
+            kv_pool.size(3),
+            num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=head_dim_tile(head_dim),
+            BLOCK_R=block_r,
+            ROTATE=rope is not None,
+            SAVE=save,
+            ROUND_BF16=kv_pool.dtype == torch.bfloat16,
+            # No fused multiply-add: the torch reference rounds every product, so must we.
+            enable_fp_fusion=False,
+            **chosen.options(),
+        )
+
+    if launch is not None:
+        run(launch)
+        return
+    key = (kv_pool.dtype, head_dim, num_kv_heads, block_tokens, kv_pool.size(3),
+           rope is not None, save, bucket(num_blocks * num_layers))  # fmt: skip
+    launches = copy_launches(rows, head_dim, cuda=kv_pool.is_cuda)
+    COPY_TUNER.run(key, {str(c): functools.partial(run, c) for c in launches}, kv_pool.device)
+
+
+def copy_launches(block_rows: int, head_dim: int, *, cuda: bool) -> list[Launch]:
+    """The copy kernel's launch settings tried on CUDA, the default first: half, twice and
+    four times the default rows a program, 4 or 8 warps."""
+    if not cuda:
+        return [Launch()]
+    rows = copy_rows(block_rows, head_dim, cuda=True)
+    tried = [Launch(max(1, rows // 2), 4), Launch(rows * 2, 8), Launch(rows * 4, 8)]
+    return [Launch(), *(launch for launch in tried if launch.block_n <= 2 * block_rows)]
 
 
 def load_blocks_triton(
@@ -241,6 +278,7 @@ def load_blocks_triton(
     slot_mapping: torch.Tensor,
     positions: torch.Tensor | None = None,
     rope: RopeTables | None = None,
+    launch: Launch | None = None,
 ) -> None:
     """Triton: copy staged blocks into pool slots, rotating K to ``positions``.
 
@@ -252,11 +290,13 @@ def load_blocks_triton(
         slot_mapping: ``[num_blocks, block_tokens]`` int64, distinct slots, -1 to skip.
         positions: ``[num_blocks, block_tokens]`` int, where each token now sits.
         rope: cos/sin tables; None for a plain copy (then ``positions`` must be None too).
+        launch: Rows a program and warps; None: the fastest of ``copy_launches`` for this
+            shape on this GPU (:mod:`kvstore.kernels.tuning`), the default off CUDA.
 
     Raises:
         ValueError: A tensor has the wrong shape, dtype, layout or device.
     """
-    _copy_blocks_triton(staging, kv_pool, slot_mapping, positions, rope, save=False)
+    _copy_blocks_triton(staging, kv_pool, slot_mapping, positions, rope, save=False, launch=launch)
 
 
 def save_blocks_triton(
@@ -265,13 +305,14 @@ def save_blocks_triton(
     slot_mapping: torch.Tensor,
     positions: torch.Tensor | None = None,
     rope: RopeTables | None = None,
+    launch: Launch | None = None,
 ) -> None:
     """Triton: gather pool slots into staged blocks, un-rotating K from ``positions``.
 
     Arguments as ``load_blocks_triton``; ``staging`` is written in place (rows whose slot
     is -1 are left as they were) and ends up holding K before RoPE.
     """
-    _copy_blocks_triton(staging, kv_pool, slot_mapping, positions, rope, save=True)
+    _copy_blocks_triton(staging, kv_pool, slot_mapping, positions, rope, save=True, launch=launch)
 
 
 def _copy_blocks_reference(
@@ -306,8 +347,10 @@ def load_blocks_reference(
     slot_mapping: torch.Tensor,
     positions: torch.Tensor | None = None,
     rope: RopeTables | None = None,
+    launch: Launch | None = None,
 ) -> None:
-    """Torch reference of ``load_blocks_triton`` (same arguments, same results)."""
+    """Torch reference of ``load_blocks_triton`` (same arguments, same results; ``launch``
+    is ignored)."""
     _copy_blocks_reference(staging, kv_pool, slot_mapping, positions, rope, save=False)
 
 
@@ -317,6 +360,8 @@ def save_blocks_reference(
     slot_mapping: torch.Tensor,
     positions: torch.Tensor | None = None,
     rope: RopeTables | None = None,
+    launch: Launch | None = None,
 ) -> None:
-    """Torch reference of ``save_blocks_triton`` (same arguments, same results)."""
+    """Torch reference of ``save_blocks_triton`` (same arguments, same results; ``launch``
+    is ignored)."""
     _copy_blocks_reference(staging, kv_pool, slot_mapping, positions, rope, save=True)

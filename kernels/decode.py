@@ -23,6 +23,8 @@ with one query per sequence.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -36,8 +38,10 @@ from kvstore.kernels.attention import (
     prefill_attention_reference,
     tile_sizes,
 )
+from kvstore.kernels.tuning import Launch, Tuner, bucket
 
 MAX_SPLITS = 16
+DECODE_TUNER = Tuner("decode_attention")
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows; small groups are padded
 
 
@@ -87,7 +91,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         q = q.to(tl.float32)
 
     table = block_tables_ptr + seq * table_stride
-    # The query sits at position seq_len - 1: every key of the sequence is visible.
+    # The query sits at position seq_len - 1: every key of the sequence is visible, no mask.
     acc, l_i, m_i = attend_pages(
         tl.zeros([BLOCK_H, BLOCK_D], tl.float32),
         tl.zeros([BLOCK_H], tl.float32),
@@ -109,6 +113,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         BLOCK_D,
         DOT_FP32,
         DOT_PRECISION,
+        False,
     )
 
     # An empty share (short sequence, many splits) leaves l_i = 0: weight zero in the merge.
@@ -146,6 +151,17 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+def decode_launches(dtype: torch.dtype, *, cuda: bool) -> list[Launch]:
+    """The split kernel's launch settings tried on CUDA, the default first (key tiles of 32,
+    64 or 128 keys, 4 or 8 warps, 2 or 3 pipeline stages); float32 keeps its tiles small."""
+    if not cuda:
+        return [Launch()]
+    if dtype == torch.float32:
+        return [Launch(), Launch(16, 4, 2), Launch(32, 8, 2)]
+    return [Launch(), Launch(32, 4, 2), Launch(64, 4, 2), Launch(64, 8, 3), Launch(128, 8, 2),
+            Launch(128, 4, 3)]  # fmt: skip
+
+
 def default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough programs to fill the GPU, without splitting short batches needlessly."""
     if device.type != "cuda":
@@ -178,6 +194,7 @@ def decode_attention_triton(
     *,
     scale: float | None = None,
     num_splits: int | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Triton: attention of each sequence's one new query over all its cached tokens.
 
@@ -190,6 +207,9 @@ def decode_attention_triton(
         scale: Softmax scale, ``1/sqrt(head_dim)`` when None.
         num_splits: Shares each sequence's keys are split into (1..MAX_SPLITS); chosen from
             the batch and the GPU when None.
+        launch: Key tiles, warps and stages of the split kernel; None: the fastest of
+            ``decode_launches`` for this shape on this GPU (:mod:`kvstore.kernels.tuning`),
+            the default off CUDA.
 
     Returns:
         ``[batch, num_heads, head_dim]`` in q's dtype.
@@ -214,29 +234,43 @@ def decode_attention_triton(
     )
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        part_out,
-        part_lse,
-        seq_lens,
-        block_tables,
-        scale * LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],
-        block_tables.stride(0),
-        k_cache.size(1),
-        num_heads,
-        num_splits,
-        GROUP=group,
-        BLOCK_H=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_dim_tile(head_dim),
-        BLOCK_N=tile_sizes(q)[1],
-        **dot_options(q),
-    )
+
+    def split(launch: Launch) -> None:
+        _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            part_out,
+            part_lse,
+            seq_lens,
+            block_tables,
+            scale * LOG2_E,
+            q.stride(0),
+            q.stride(1),
+            *k_cache.stride()[:3],
+            block_tables.stride(0),
+            k_cache.size(1),
+            num_heads,
+            num_splits,
+            GROUP=group,
+            BLOCK_H=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_D=head_dim_tile(head_dim),
+            BLOCK_N=launch.block_n or tile_sizes(q)[1],
+            **launch.options(),
+            **dot_options(q),
+        )
+
+    page_tokens = k_cache.size(1)
+    key = (q.dtype, head_dim, group, page_tokens, bucket(batch), num_splits,
+           bucket(block_tables.size(1) * page_tokens))  # fmt: skip
+    if launch is not None:
+        split(launch)
+    else:
+        launches = {
+            str(c): functools.partial(split, c) for c in decode_launches(q.dtype, cuda=q.is_cuda)
+        }
+        DECODE_TUNER.run(key, launches, q.device)
     _decode_reduce_kernel[(batch * num_heads,)](
         part_out,
         part_lse,
@@ -258,8 +292,10 @@ def decode_attention_reference(
     *,
     scale: float | None = None,
     num_splits: int | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
-    """Torch reference of ``decode_attention_triton``; ``num_splits`` is ignored.
+    """Torch reference of ``decode_attention_triton``; ``num_splits`` and ``launch`` are
+    ignored.
 
     Raises:
         ValueError: As the Triton version, or a sequence length below 1.

@@ -9,7 +9,9 @@
 
 Entry points: ``prefill_attention``, ``decode_attention``, ``load_blocks``, ``save_blocks``.
 Each has the signature and documentation of its ``*_triton`` function and looks its
-implementation up in ``IMPLEMENTATIONS`` on every call.
+implementation up in ``IMPLEMENTATIONS`` on every call. On the Triton side, prefill runs
+``prefill_attention_fastest``: per shape, the paged kernel or SDPA over the gathered pages,
+whichever this GPU runs faster (:mod:`kvstore.kernels.tuning`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from typing import Literal, TypeVar, cast
 
 import torch
 
-from kvstore.kernels.attention import prefill_attention_reference, prefill_attention_triton
+from kvstore.kernels.attention import (
+    prefill_attention_fastest,
+    prefill_attention_reference,
+    prefill_attention_triton,
+)
 from kvstore.kernels.copy import (
     load_blocks_reference,
     load_blocks_triton,
@@ -59,7 +65,10 @@ def kernel_backend(device: torch.device) -> Backend:
 
 # Entry point -> backend -> implementation; the entry points look here on every call.
 IMPLEMENTATIONS: dict[str, dict[Backend, Callable[..., object]]] = {
-    "prefill_attention": {"triton": prefill_attention_triton, "torch": prefill_attention_reference},
+    "prefill_attention": {
+        "triton": prefill_attention_fastest,
+        "torch": prefill_attention_reference,
+    },
     "decode_attention": {"triton": decode_attention_triton, "torch": decode_attention_reference},
     "load_blocks": {"triton": load_blocks_triton, "torch": load_blocks_reference},
     "save_blocks": {"triton": save_blocks_triton, "torch": save_blocks_reference},

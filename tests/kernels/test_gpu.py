@@ -15,6 +15,7 @@ from kvstore.kernels.copy import (
 )
 from kvstore.kernels.decode import decode_attention_reference, decode_attention_triton
 from kvstore.kernels.rope import Llama3Scaling, RopeConfig, rope_tables
+from kvstore.kernels.tuning import TUNING_ENV
 from tests.kernels.cases import EACH_DTYPE, TOLERANCES, paged_batch
 
 pytestmark = [
@@ -23,6 +24,13 @@ pytestmark = [
 ]
 CUDA = torch.device("cuda")
 NUM_HEADS, NUM_KV_HEADS = 32, 8
+
+
+@pytest.fixture(autouse=True)
+def _defaults_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks run the default launches: timing every candidate of every dtype and
+    head_dim would compile dozens of kernels. The tuners' own test turns timing back on."""
+    monkeypatch.setenv(TUNING_ENV, "0")
 
 
 @EACH_DTYPE
@@ -125,3 +133,43 @@ def test_load_layer_reads_host_memory_straight_into_pages(page_tokens: int) -> N
         on_gpu = pool.to(CUDA)
         load_layer_triton(source, at.to(CUDA), on_gpu[0], on_gpu[1], pages.to(CUDA))
         assert torch.equal(on_gpu.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_paths_and_launches_this_gpu_picks_compute_the_same_attention(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tuners time their candidates on this GPU and keep one per shape; whichever they
+    keep (a launch of our kernel, or SDPA over the gathered pages), the result is right."""
+    monkeypatch.setenv(TUNING_ENV, "1")
+    from kvstore.kernels.attention import PATH_TUNER, prefill_attention_fastest
+    from kvstore.kernels.decode import DECODE_TUNER
+
+    batch = paged_batch(
+        q_lens=[512, 1, 300],
+        seq_lens=[2048, 3001, 300],
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=128,
+        page_tokens=16,
+        dtype=dtype,
+        device=CUDA,
+    )
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens)
+    kwargs = {"max_query_len": batch.max_query_len}
+    expected = prefill_attention_reference(*args, batch.block_tables, **kwargs)
+    for _ in range(2):  # the first call chooses, the second runs the choice
+        out = prefill_attention_fastest(*args, batch.block_tables, **kwargs)
+        torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
+    assert len(PATH_TUNER.chosen()) >= 1
+
+    decode = paged_batch(
+        q_lens=[1] * 8, seq_lens=[4096] * 8, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+        head_dim=128, page_tokens=16, dtype=dtype, device=CUDA,
+    )  # fmt: skip
+    args = (decode.q, decode.k_cache, decode.v_cache, decode.seq_lens, decode.block_tables)
+    expected = decode_attention_reference(*args)
+    torch.testing.assert_close(
+        decode_attention_triton(*args).float(), expected.float(), **TOLERANCES[dtype]
+    )
+    assert len(DECODE_TUNER.chosen()) >= 1
