@@ -128,6 +128,7 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
     table_stride,
     page_tokens,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -135,32 +136,39 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # A tile's BLOCK_M rows are (query, head) pairs: BLOCK_M // HEADS queries of HEADS query
+    # heads that share one KV head (HEADS divides GROUP), so each K/V tile is read once for
+    # all of them. HEADS = 1: one query head a program.
+    QUERIES: tl.constexpr = BLOCK_M // HEADS
     tile = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    first_head = tl.program_id(2) * HEADS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * QUERIES >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
-    q_positions = seq_len - q_len + rows
+    pairs = tl.arange(0, BLOCK_M)
+    queries = tile * QUERIES + pairs // HEADS
+    heads = first_head + pairs % HEADS
+    row_ok = (pairs < QUERIES * HEADS) & (queries < q_len)
+    q_positions = seq_len - q_len + queries
     dims = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    q_rows = (q_start + rows).to(tl.int64) * q_stride_token + head * q_stride_head
+    tokens = (q_start + queries).to(tl.int64)
+    q_rows = tokens * q_stride_token + heads * q_stride_head
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
 
     table = block_tables_ptr + seq.to(tl.int64) * table_stride
-    head_offset = (head // GROUP).to(tl.int64) * cache_stride_head
+    head_offset = (first_head // GROUP).to(tl.int64) * cache_stride_head
     # Causal: no query of this tile sees past its last position. The key tiles wholly at or
     # before its first query's position are visible to every row: no mask; only the tiles
     # from there to the end cross the diagonal. Key 0 is visible to every row, so the
     # running max is finite after the first key block.
-    end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
-    below = (seq_len - q_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * QUERIES)
+    below = (seq_len - q_len + tile * QUERIES + 1) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = attend_pages(
         tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
         tl.zeros([BLOCK_M], tl.float32),
@@ -207,8 +215,8 @@ def _prefill_attention_kernel(  # type: ignore[no-untyped-def]
         DOT_PRECISION,
         True,
     )
-    out = acc / l_i[:, None]
-    out_rows = (q_start + rows).to(tl.int64) * out_stride_token + head * HEAD_DIM
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    out_rows = tokens * out_stride_token + heads * HEAD_DIM
     tl.store(
         out_ptr + out_rows[:, None] + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -323,9 +331,17 @@ def prefill_attention_triton(
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
 
+    group = num_heads // k_cache.size(2)
+
     def run(chosen: Launch) -> torch.Tensor:
         block_m = chosen.block_m or tile_sizes(q)[0]
-        grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+        heads = chosen.heads or 1
+        if group % heads or block_m < heads:
+            raise ValueError(
+                f"launch {chosen}: {heads} heads a tile must divide the GQA group ({group}) "
+                f"and fit its {block_m} rows"
+            )
+        grid = (triton.cdiv(max_query_len, block_m // heads), batch, num_heads // heads)
         _prefill_attention_kernel[grid](
             q,
             k_cache,
@@ -341,7 +357,8 @@ def prefill_attention_triton(
             *k_cache.stride()[:3],
             block_tables.stride(0),
             k_cache.size(1),
-            GROUP=num_heads // k_cache.size(2),
+            GROUP=group,
+            HEADS=heads,
             HEAD_DIM=head_dim,
             BLOCK_D=head_dim_tile(head_dim),
             BLOCK_M=block_m,
@@ -354,20 +371,27 @@ def prefill_attention_triton(
     if launch is not None:
         return run(launch)
     candidates = {
-        str(c): functools.partial(run, c) for c in prefill_launches(q.dtype, cuda=q.is_cuda)
+        str(c): functools.partial(run, c) for c in prefill_launches(q.dtype, group, cuda=q.is_cuda)
     }
     return PREFILL_TUNER.run(prefill_key(q, k_cache, block_tables), candidates, q.device)
 
 
-def prefill_launches(dtype: torch.dtype, *, cuda: bool) -> list[Launch]:
-    """The prefill kernel's launch settings tried on CUDA, the default first: query tiles
-    of 64 or 128, key tiles of 32 to 128, 4 or 8 warps, 2 or 3 stages."""
+def prefill_launches(dtype: torch.dtype, group: int, *, cuda: bool) -> list[Launch]:
+    """The prefill kernel's launch settings tried on CUDA, the default first: tiles of 64 or
+    128 rows, key tiles of 32 to 128, 4 or 8 warps, 2 or 3 stages; with GQA, also tiles whose
+    rows are the ``group`` query heads of a KV head (its K/V tiles read once for all)."""
     if not cuda:
         return [Launch()]
     if dtype == torch.float32:
-        return [Launch(), Launch(32, 4, 2, 64), Launch(16, 4, 2, 32)]
-    return [Launch(), Launch(64, 8, 3, 128), Launch(64, 4, 3, 128), Launch(32, 4, 3, 64),
-            Launch(64, 4, 2, 64), Launch(128, 8, 2, 64)]  # fmt: skip
+        tried = [Launch(32, 4, 2, 64), Launch(16, 4, 2, 32)]
+        shared = [Launch(32, 4, 2, 64, group)]
+    else:
+        tried = [Launch(64, 8, 3, 128), Launch(64, 4, 3, 128), Launch(32, 4, 3, 64),
+                 Launch(64, 4, 2, 64), Launch(128, 8, 2, 64)]  # fmt: skip
+        shared = [Launch(64, 4, 3, 64, group), Launch(64, 8, 3, 128, group),
+                  Launch(32, 4, 2, 128, group)]  # fmt: skip
+    fits = [launch for launch in shared if 1 < group <= launch.block_m // 16]
+    return [Launch(), *tried, *fits]
 
 
 def prefill_key(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor) -> object:

@@ -42,12 +42,14 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Launch:
     """A kernel's launch settings; a zero leaves the kernel's own default. ``block_n``: key
-    tiles of attention, rows of a copy; ``block_m``: query tiles of prefill."""
+    tiles of attention, rows of a copy; ``block_m``: rows of a prefill tile; ``heads``: query
+    heads of one GQA group that share a prefill tile (and its K/V reads)."""
 
     block_n: int = 0
     num_warps: int = 0
     num_stages: int = 0
     block_m: int = 0
+    heads: int = 0
 
     def options(self) -> dict[str, int]:
         """The launch keywords Triton takes (``num_warps``, ``num_stages``) that are set."""
@@ -55,8 +57,8 @@ class Launch:
         return {name: value for name, value in named.items() if value}
 
     def __str__(self) -> str:
-        named = {"m": self.block_m, "n": self.block_n, "warps": self.num_warps,
-                 "stages": self.num_stages}  # fmt: skip
+        named = {"m": self.block_m, "n": self.block_n, "heads": self.heads,
+                 "warps": self.num_warps, "stages": self.num_stages}  # fmt: skip
         return " ".join(f"{name}={value}" for name, value in named.items() if value) or "default"
 
 

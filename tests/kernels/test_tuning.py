@@ -30,7 +30,7 @@ from kvstore.kernels.decode import (
     decode_launches,
 )
 from kvstore.kernels.tuning import Launch, Tuner, bucket
-from tests.kernels.cases import DTYPES, EACH_DTYPE, TOLERANCES
+from tests.kernels.cases import DTYPES, EACH_DTYPE, TOLERANCES, paged_batch
 from tests.kernels.test_attention import decode_batch, prefill_batch, run_prefill
 from tests.kernels.test_copy import copy_case
 
@@ -114,13 +114,16 @@ def test_every_decode_launch_a_gpu_may_pick_computes_the_same_attention(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["gqa2-tiles", "gqa4-head-dim-96"])
 def test_every_prefill_launch_a_gpu_may_pick_computes_the_same_attention(
-    dtype: torch.dtype,
+    case: str, dtype: torch.dtype
 ) -> None:
-    batch = prefill_batch("gqa2-tiles", dtype)
+    batch = prefill_batch(case, dtype)
     expected = run_prefill(batch)
-    launches = prefill_launches(dtype, cuda=True)
+    group = batch.q.size(1) // batch.k_cache.size(2)
+    launches = prefill_launches(dtype, group, cuda=True)
     assert launches[0] == Launch() and len(set(launches)) == len(launches) > 1
+    assert any(launch.heads == group for launch in launches)  # K/V tiles shared by a group
     for launch in launches:
         out = prefill_attention_triton(
             batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
@@ -159,3 +162,19 @@ def test_every_copy_launch_a_gpu_may_pick_moves_the_same_bytes(dtype: torch.dtyp
         load_blocks_triton(c.staging, pool, c.slots, c.positions, c.rope, launch=launch)
         save_blocks_triton(c.kv_pool, staging, c.slots, c.positions, c.rope, launch=launch)
         assert torch.equal(pool, loaded) and torch.equal(staging, saved), launch
+
+
+@pytest.mark.parametrize("heads", [1, 3, 6])
+def test_a_tile_may_hold_any_divisor_of_the_gqa_group_and_nothing_else(heads: int) -> None:
+    batch = paged_batch(
+        q_lens=[21, 1, 40], seq_lens=[50, 30, 40], num_heads=12, num_kv_heads=2, head_dim=64,
+        page_tokens=8, dtype=torch.float32,
+    )  # fmt: skip
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
+            batch.block_tables)  # fmt: skip
+    expected = prefill_attention_reference(*args, max_query_len=batch.max_query_len)
+    launch = Launch(16, block_m=32, heads=heads)  # 3 heads: 10 queries, 30 of 32 rows
+    out = prefill_attention_triton(*args, max_query_len=batch.max_query_len, launch=launch)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    with pytest.raises(ValueError, match="must divide the GQA group"):
+        prefill_attention_triton(*args, max_query_len=40, launch=Launch(16, block_m=32, heads=4))
