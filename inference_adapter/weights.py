@@ -195,16 +195,6 @@ def namespace_for(
         dtype: The KV dtype; ``config.dtype`` when None.
         tenant: The tenant salt.
     """
-    scaling = config.rope.scaling
-    rope_scaling: tuple[tuple[str, str | float], ...] = ()
-    if scaling is not None:
-        rope_scaling = (
-            ("rope_type", "llama3"),
-            ("factor", scaling.factor),
-            ("low_freq_factor", scaling.low_freq_factor),
-            ("high_freq_factor", scaling.high_freq_factor),
-            ("original_max_position_embeddings", float(scaling.original_max_position_embeddings)),
-        )
     fingerprint = ModelFingerprint(
         model_name=model_name,
         num_layers=config.num_hidden_layers,
@@ -213,6 +203,55 @@ def namespace_for(
         dtype=str(dtype or config.dtype).removeprefix("torch."),
         block_tokens=block_tokens,
         rope_theta=config.rope.theta,
-        rope_scaling=rope_scaling,
+        rope_scaling=_scaling_pairs(config.rope),
     )
     return Namespace(fingerprint, tenant)
+
+
+RopeIdentity = tuple[float, tuple[tuple[str, str | float], ...]]
+
+
+def rope_identity(config: Mapping[str, object], head_dim: int) -> RopeIdentity:
+    """``(rope_theta, rope_scaling pairs)`` of any model's ``config.json`` dict, for a
+    fingerprint: what makes K after RoPE differ between two otherwise equal models.
+
+    default and llama3 scaling read as :func:`namespace_for` reads them (so a Llama gets the
+    same namespace either way); any other type is kept as its parameters, unread: a store
+    that copies K as the engine rotated it need not compute it, only tell it apart.
+
+    Raises:
+        ValueError: The RoPE parameters are not a mapping, or theta is not a number.
+    """
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_scaling must be a mapping, got {params!r}")
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise ValueError(f"rope_theta must be a number, got {theta!r}")
+    kind = str(params.get("rope_type", params.get("type", "default")))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if kind in ("default", "llama3") and partial in (1, 1.0, None):
+        return float(theta), _scaling_pairs(RopeConfig.from_scaling(head_dim, theta, params))
+    named = {str(k): v for k, v in params.items() if k not in ("rope_theta", "type")}
+    named |= {"rope_type": kind, "partial_rotary_factor": partial if partial is not None else 1}
+    return float(theta), tuple((key, _plain(value)) for key, value in sorted(named.items()))
+
+
+def _scaling_pairs(rope: RopeConfig) -> tuple[tuple[str, str | float], ...]:
+    scaling = rope.scaling
+    if scaling is None:
+        return ()
+    return (
+        ("rope_type", "llama3"),
+        ("factor", scaling.factor),
+        ("low_freq_factor", scaling.low_freq_factor),
+        ("high_freq_factor", scaling.high_freq_factor),
+        ("original_max_position_embeddings", float(scaling.original_max_position_embeddings)),
+    )
+
+
+def _plain(value: object) -> str | float:
+    """A number as a float, a string as it is, anything else as its sorted JSON."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_SIZES", "ChatShape", "chat_turns", "run_chats", "write_model"]
+__all__ = ["ARCHITECTURES", "MODEL_SIZES", "ChatShape", "chat_turns", "run_chats", "write_model"]
 
 # name -> config.json fields of a Llama. "test" runs a turn in well under a second on a
 # 2-core CPU; "bench" (63M parameters, 16 KiB of KV per token) prefills 2K tokens in about
@@ -55,14 +55,35 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_model(folder: Path, size: str = "test", *, seed: int = 0, gain: float = 4.0) -> Path:
-    """A random Llama checkpoint in ``folder`` (float32, 8192 positions)."""
+# architecture -> what its config.json adds to a Llama's, and the weights it has no use for.
+# The same random decoder under another name: vLLM runs each through its own model code.
+ARCHITECTURES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "llama": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, ()),
+    "mistral": (
+        {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+        (),
+    ),
+    # q, k and v projections with biases (o_proj has none), theta 1e6 as Qwen2's own.
+    "qwen2": (
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_bias": True,
+         "rope_theta": 1000000.0, "sliding_window": None, "use_sliding_window": False},
+        ("o_proj.bias",),
+    ),
+}  # fmt: skip
+
+
+def write_model(
+    folder: Path, size: str = "test", *, seed: int = 0, gain: float = 4.0, arch: str = "llama"
+) -> Path:
+    """A random checkpoint in ``folder`` (float32, 8192 positions): a Llama, or the same
+    decoder as another architecture of :data:`ARCHITECTURES`."""
     import torch
     from safetensors.torch import save_file
 
     from kvstore.inference_adapter.model import LlamaModel
     from kvstore.inference_adapter.weights import LlamaConfig
 
+    named, unused = ARCHITECTURES[arch]
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -77,8 +98,12 @@ def write_model(folder: Path, size: str = "test", *, seed: int = 0, gain: float 
         "hidden_act": "silu",
     }
     folder.mkdir(parents=True, exist_ok=True)
+    model = LlamaModel.from_config(
+        LlamaConfig.from_dict({**config, "attention_bias": named.get("attention_bias", False)}),
+        seed=seed,
+    )
+    config |= named
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    model = LlamaModel.from_config(LlamaConfig.from_dict(config), seed=seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not name.endswith("norm.weight"):
@@ -86,6 +111,7 @@ def write_model(folder: Path, size: str = "test", *, seed: int = 0, gain: float 
     weights = {
         (name if name == "lm_head.weight" else f"model.{name}"): tensor.contiguous()
         for name, tensor in model.state_dict().items()
+        if not name.endswith(unused)
     }
     save_file(weights, str(folder / "model.safetensors"))
     return folder
@@ -196,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="checkpoint folder")
     parser.add_argument("--write-model", choices=sorted(MODEL_SIZES), help="write it first")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama",
+                        help="the architecture --write-model names")  # fmt: skip
     parser.add_argument("--connector", help="kv_connector_extra_config JSON; none when unset")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
@@ -211,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     args = parser.parse_args(argv)
     if args.write_model:
-        write_model(args.model, args.write_model)
+        write_model(args.model, args.write_model, arch=args.arch)
     shape = ChatShape(**{name: getattr(args, name) for name in asdict(ChatShape())})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     started = time.perf_counter()

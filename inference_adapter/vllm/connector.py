@@ -13,12 +13,14 @@ block keys up when a request is considered for admission (and hints the daemon t
 it holds below host memory up while the request waits) and plans each step's loads and
 saves; the plan reaches the worker's (:mod:`.worker`) as the step's connector metadata.
 Blocks are stored in kvstore's own form (layer-major, K after RoPE as vLLM holds it) under
-the namespace kvstore's engine derives from the same config (``namespace_for``), so either
-can read what the other saved.
+a namespace made from the geometry of vLLM's KV cache (:mod:`.model`), whatever the
+architecture; for a Llama it is the one kvstore's engine derives (``namespace_for``), so
+either can read what the other saved.
 
 At start the connector refuses, with a ``ValueError`` naming what it found, what it cannot
-serve exactly: a non-Llama architecture, RoPE scaling the kernels do not compute, a KV cache
-dtype other than the model's, tensor or pipeline parallelism, an unknown KV layout. A daemon
+serve exactly (:mod:`.model`: MLA, hybrid or encoder-decoder models, a KV cache dtype other
+than the model's, tensor or pipeline parallelism, separate KV-cache groups), and at
+``register_kv_caches`` an unknown KV layout or a layer count that is not the model's. A daemon
 that is down at start or goes away costs cache misses only (:mod:`.link`); with
 ``kv_load_failure_policy: "recompute"`` a load that fails mid-step is recomputed by vLLM.
 """

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -53,21 +52,25 @@ def connector_config(daemon: Daemon, **more: object) -> str:
     return json.dumps({"address": daemon.address, "model_name": MODEL_NAME, "retry_s": 0.2, **more})
 
 
-def chat(model: Path, connector: str | None, *hooks: str) -> dict[str, Any]:
-    """One vLLM process playing :data:`SHAPE`; its JSON report."""
-    done = run_driver(model, connector, *hooks)
+def chat(
+    model: Path, connector: str | None, *hooks: str, shape: ChatShape = SHAPE
+) -> dict[str, Any]:
+    """One vLLM process playing ``shape``; its JSON report."""
+    done = run_driver(model, connector, *hooks, shape=shape)
     assert done.returncode == 0, done.stderr[-6000:]
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     report["log"] = done.stdout + done.stderr
     return report
 
 
-def run_driver(model: Path, connector: str | None, *hooks: str) -> subprocess.CompletedProcess[str]:
+def run_driver(
+    model: Path, connector: str | None, *hooks: str, shape: ChatShape = SHAPE
+) -> subprocess.CompletedProcess[str]:
     command = module_command("kvstore.inference_adapter.bench.vllm_chat", python=VLLM_PYTHON)
     command += ["--model", str(model), "--block-size", str(BLOCK), "--kv-cache-mib", "256"]
-    command += ["--turns", str(SHAPE.turns), "--first-tokens", str(SHAPE.first_tokens)]
-    command += ["--turn-tokens", str(SHAPE.turn_tokens)]
-    command += ["--answer-tokens", str(SHAPE.answer_tokens)]
+    command += ["--turns", str(shape.turns), "--first-tokens", str(shape.first_tokens)]
+    command += ["--turn-tokens", str(shape.turn_tokens)]
+    command += ["--answer-tokens", str(shape.answer_tokens)]
     if connector is not None:
         command += ["--connector", connector]
     for hook in hooks:
@@ -325,20 +328,37 @@ def test_a_daemon_down_at_start_costs_hits_until_it_comes(
     assert 1 <= len(down) <= 2, down
 
 
-def test_a_model_the_connector_cannot_serve_exactly_stops_vllm_at_start(
-    model: Path, tmp_path: Path, daemon: Daemon
+def test_what_the_connector_cannot_serve_exactly_stops_vllm_at_start(
+    model: Path, daemon: Daemon
 ) -> None:
-    yarn = tmp_path / "yarn-llama"
-    shutil.copytree(model, yarn)
-    config = json.loads((yarn / "config.json").read_text())
-    config["rope_scaling"] = {
-        "rope_type": "yarn",
-        "factor": 2.0,
-        "original_max_position_embeddings": 4096,
-    }
-    (yarn / "config.json").write_text(json.dumps(config))
-    done = run_driver(yarn, connector_config(daemon))
-    assert done.returncode != 0
-    assert "yarn" in done.stderr and "UnsupportedRopeScalingError" in done.stderr
+    uneven = run_driver(model, connector_config(daemon, block_tokens=BLOCK + BLOCK // 2))
+    assert uneven.returncode != 0
+    assert f"block_tokens {BLOCK + BLOCK // 2} must be a multiple" in uneven.stderr
     typo = run_driver(model, connector_config(daemon, adress="x"))
     assert typo.returncode != 0 and "unknown key(s) ['adress']" in typo.stderr
+
+
+OTHER_SHAPE = ChatShape(sessions=1, turns=3, first_tokens=512, turn_tokens=128, answer_tokens=16)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_decoders_reuse_their_kv_and_answer_like_recompute(
+    arch: str, tmp_path: Path, daemon: Daemon
+) -> None:
+    """The namespace comes from the KV cache's geometry, not the architecture: a Qwen2 (q, k
+    and v biases, theta 1e6) and a Mistral, each run by vLLM's own model code, answer a
+    3-turn chat with the store exactly as without it, loading what earlier turns saved.
+    A yarn-scaled Qwen2 is served too: K is stored as vLLM rotated it."""
+    checkpoint = write_model(tmp_path / arch, "test", arch=arch)
+    if arch == "qwen2":
+        config = json.loads((checkpoint / "config.json").read_text())
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0,
+                                  "original_max_position_embeddings": 4096}  # fmt: skip
+        (checkpoint / "config.json").write_text(json.dumps(config))
+    baseline = chat(checkpoint, None, shape=OTHER_SHAPE)
+    stored = chat(checkpoint, connector_config(daemon), shape=OTHER_SHAPE)
+    assert tokens(stored) == tokens(baseline)
+    loaded, reusable = loaded_blocks(stored), reusable_blocks(stored)
+    assert loaded[0] == 0 and reusable[1] >= 16
+    for turn in (1, 2):
+        assert loaded[turn] >= 0.9 * reusable[turn], f"turn {turn + 1}: {loaded} of {reusable}"
