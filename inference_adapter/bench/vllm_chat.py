@@ -28,7 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "MODEL_SIZES", "ChatShape", "chat_turns", "run_chats", "write_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "MODEL_SIZES",
+    "TRANSFORMERS_ARCHITECTURES",
+    "ChatShape",
+    "chat_turns",
+    "run_chats",
+    "write_model",
+]
 
 # name -> config.json fields of a Llama. "test" runs a turn in well under a second on a
 # 2-core CPU; "bench" (63M parameters, 16 KiB of KV per token) prefills 2K tokens in about
@@ -70,15 +78,31 @@ ARCHITECTURES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         ("o_proj.bias",),
     ),
 }  # fmt: skip
+# architecture -> its transformers config class and what it sets beyond the sizes: decoders
+# whose weights differ from a Llama's (fused projections, per-head norms, Gemma's norms and
+# windows) are built by transformers itself, with random weights.
+TRANSFORMERS_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {"rope_theta": 1000000.0}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    # Sliding-window layers over a 128-token window, then a full one: the chats pass it.
+    "gemma2": ("Gemma2Config", {"sliding_window": 128, "query_pre_attn_scalar": 64,
+                                "tie_word_embeddings": True}),  # vLLM's Gemma 2 ties them
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 128, "query_pre_attn_scalar": 64,
+                                    "layer_types": ["sliding_attention", "full_attention"] * 2}),
+}  # fmt: skip
 
 
 def write_model(
     folder: Path, size: str = "test", *, seed: int = 0, gain: float = 4.0, arch: str = "llama"
 ) -> Path:
-    """A random checkpoint in ``folder`` (float32, 8192 positions): a Llama, or the same
-    decoder as another architecture of :data:`ARCHITECTURES`."""
+    """A random checkpoint in ``folder`` (float32, 8192 positions): a Llama, the same decoder
+    as another architecture of :data:`ARCHITECTURES`, or one of
+    :data:`TRANSFORMERS_ARCHITECTURES` built by transformers."""
     import torch
     from safetensors.torch import save_file
+
+    if arch in TRANSFORMERS_ARCHITECTURES:
+        return _write_transformers_model(folder, size, seed=seed, gain=gain, arch=arch)
 
     from kvstore.inference_adapter.model import LlamaModel
     from kvstore.inference_adapter.weights import LlamaConfig
@@ -114,6 +138,27 @@ def write_model(
         if not name.endswith(unused)
     }
     save_file(weights, str(folder / "model.safetensors"))
+    return folder
+
+
+def _write_transformers_model(
+    folder: Path, size: str, *, seed: int, gain: float, arch: str
+) -> Path:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    name, extra = TRANSFORMERS_ARCHITECTURES[arch]
+    settings = {"max_position_embeddings": 8192, "tie_word_embeddings": False, "bos_token_id": 1,
+                "eos_token_id": 2, **MODEL_SIZES[size], **extra}  # fmt: skip
+    config = getattr(transformers, name)(**settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" not in param_name:
+                param.mul_(gain)  # sharper logits than the initializer's: answers differ
+    model.save_pretrained(folder)
     return folder
 
 
@@ -222,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="checkpoint folder")
     parser.add_argument("--write-model", choices=sorted(MODEL_SIZES), help="write it first")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama",
+    parser.add_argument("--arch", choices=sorted({*ARCHITECTURES, *TRANSFORMERS_ARCHITECTURES}),
+                        default="llama",
                         help="the architecture --write-model names")  # fmt: skip
     parser.add_argument("--connector", help="kv_connector_extra_config JSON; none when unset")
     parser.add_argument("--block-size", type=int, default=32)
