@@ -153,7 +153,7 @@ def _write_transformers_model(
                 "eos_token_id": 2, **MODEL_SIZES[size], **extra}  # fmt: skip
     config = getattr(transformers, name)(**settings)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "norm" not in param_name:
