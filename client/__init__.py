@@ -25,7 +25,14 @@ from kvstore.client.errors import (
     UnknownLeaseError,
     UnknownNamespaceError,
 )
-from kvstore.client.keys import ROOT_KEY, KeySalt, ModelFingerprint, Namespace, block_keys
+from kvstore.client.keys import (
+    ROOT_KEY,
+    KeySalt,
+    ModelFingerprint,
+    Namespace,
+    block_keys,
+    shard_keys,
+)
 from kvstore.client.sync import KVStoreClient
 from kvstore.client.wire import LookupResult, ServerInfo, Stats, TierStats, WriteStatus
 
@@ -56,4 +63,5 @@ __all__ = [
     "UnknownNamespaceError",
     "WriteStatus",
     "block_keys",
+    "shard_keys",
 ]

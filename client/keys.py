@@ -27,6 +27,9 @@ Primitives:
 - ``KeySalt(salt, from_block)``: marks the approximate part of a chain.
 - ``block_keys(tokens, namespace, salt=None)`` -> one 32-byte key per full block; the tail is
   not keyed.
+- ``shard_keys(keys, rank)``: the keys of tensor-parallel rank ``rank``'s share of the same
+  blocks (its KV heads): rank 0 keeps the chain's keys, every other rank gets keys of its own,
+  ``SHA-256(domain || rank || key)``, so ranks never collide; ``ROOT_KEY`` stays the root.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ __all__ = [
     "TokenArray",
     "TokenIds",
     "block_keys",
+    "shard_keys",
 ]
 
 _U32_CODE = next(code for code in "IL" if array(code).itemsize == 4)
@@ -67,6 +71,7 @@ class TokenArray(Protocol):
 TokenIds: TypeAlias = Sequence[int] | TokenArray
 
 _SALT_DOMAIN = b"kvstore/key-salt/v1\0"
+_SHARD_DOMAIN = b"kvstore/tp-shard/v1\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +137,20 @@ def block_keys(tokens: TokenIds, namespace: Namespace, salt: KeySalt | None = No
         key = hasher.digest()
         keys.append(key)
     return keys
+
+
+def shard_keys(keys: Sequence[bytes], rank: int) -> list[bytes]:
+    """The keys of tensor-parallel rank ``rank``'s share of the blocks ``keys`` name.
+
+    Raises:
+        ValueError: ``rank`` is negative.
+    """
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    if rank == 0:
+        return list(keys)
+    prefix = _SHARD_DOMAIN + rank.to_bytes(4, "little")
+    return [key if key == ROOT_KEY else hashlib.sha256(prefix + key).digest() for key in keys]
 
 
 def _token_words(tokens: TokenIds) -> array[int]:

@@ -73,11 +73,13 @@ class ModelFingerprint:
     block_tokens: int = 256
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = ()
+    # Tensor-parallel ranks the KV heads are split over; ``num_kv_heads`` is one rank's share.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name must be a non-empty str, got {self.model_name!r}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size"):
             _check_positive(name, getattr(self, name))
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
@@ -110,6 +112,8 @@ class ModelFingerprint:
             "rope_theta": self.rope_theta.hex(),  # exact, unlike a decimal repr
             "rope_scaling": [[name, _tagged(value)] for name, value in self.rope_scaling],
         }
+        if self.tp_size != 1:  # absent at 1: the digests of unsplit models stay as they were
+            fields["tp_size"] = self.tp_size
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(_FINGERPRINT_DOMAIN + canonical.encode("ascii")).digest()
 

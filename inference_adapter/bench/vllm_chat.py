@@ -196,6 +196,7 @@ def engine(
     block_size: int = 32,
     max_model_len: int = 8192,
     kv_cache_bytes: int = 512 << 20,
+    tensor_parallel_size: int = 1,
 ) -> Any:
     """vLLM's offline engine on ``model``; ``connector`` is ``kv_connector_extra_config``
     for KVStoreConnector, or ``None`` for none. vLLM's prefix cache is off."""
@@ -224,6 +225,7 @@ def engine(
         kv_cache_memory_bytes=kv_cache_bytes,
         disable_log_stats=False,
         seed=0,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -273,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connector", help="kv_connector_extra_config JSON; none when unset")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
     parser.add_argument(
         "--after-turn",
@@ -294,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         json.loads(args.connector) if args.connector else None,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_mib << 20,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     start_s = time.perf_counter() - started
     hooks: dict[int, list[str]] = {}

@@ -19,8 +19,10 @@ either can read what the other saved.
 
 At start the connector refuses, with a ``ValueError`` naming what it found, what it cannot
 serve exactly (:mod:`.model`: MLA, hybrid or encoder-decoder models, a KV cache dtype other
-than the model's, tensor or pipeline parallelism, separate KV-cache groups), and at
-``register_kv_caches`` an unknown KV layout or a layer count that is not the model's. A daemon
+than the model's, pipeline parallelism, separate KV-cache groups), and at
+``register_kv_caches`` an unknown KV layout or a layer count that is not the model's. With
+tensor parallelism every rank's worker stores its share of the heads under its own keys
+(``shard_keys``), and the scheduler counts a block only once every rank holds it. A daemon
 that is down at start or goes away costs cache misses only (:mod:`.link`); with
 ``kv_load_failure_policy: "recompute"`` a load that fails mid-step is recomputed by vLLM.
 """
@@ -45,10 +47,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.client import shard_keys
 from kvstore.inference_adapter.vllm.layout import layer_kv, layout_of
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.model import model_namespace
-from kvstore.inference_adapter.vllm.scheduler import SchedulerSide, StepPlan
+from kvstore.inference_adapter.vllm.scheduler import SchedulerSide, StepPlan, held_by_every_rank
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
 from kvstore.inference_adapter.vllm.worker import WorkerSide
 
@@ -98,6 +101,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         self.namespace = model_namespace(vllm_config, self.settings)
+        self.tp_size = self.namespace.model.tp_size
         self.block_size = vllm_config.cache_config.block_size
         self.dtype = vllm_config.model_config.dtype
         self._scheduler: SchedulerSide | None = None
@@ -113,11 +117,15 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     transfer.kv_load_failure_policy,
                 )
             link = self._link("scheduler", call_timeout=self.settings.lookup_timeout_s, retries=0)
-            self._hints = _Hints(link)
+            self._hints = _Hints(link, self.tp_size)
             self._scheduler = SchedulerSide(
                 self.namespace,
                 self.block_size,
-                lambda keys: link.call(lambda c: c.lookup_tiers(self.namespace, keys)),
+                lambda keys: held_by_every_rank(
+                    lambda shard: link.call(lambda c: c.lookup_tiers(self.namespace, shard)),
+                    keys,
+                    self.tp_size,
+                ),
                 prefetch=self._hints.send,
                 load=bool(transfer.is_kv_consumer),
                 save=bool(transfer.is_kv_producer),
@@ -229,6 +237,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             layers,
             save_queue_blocks=self.settings.save_queue_blocks,
             load_timeout_s=self.settings.load_timeout_s,
+            rank=_tp_rank(self.tp_size),
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -288,8 +297,9 @@ class _Hints:
     """Prefetch hints sent from a thread of their own, so the scheduler never waits for one;
     at most ``MAX_WAITING_HINTS`` wait (more are dropped: they are only hints)."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, tp_size: int = 1) -> None:
         self._link = link
+        self._ranks = range(tp_size)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-hints")
         self._room = threading.BoundedSemaphore(MAX_WAITING_HINTS)
         self.counts = Counter[str]()
@@ -302,7 +312,8 @@ class _Hints:
 
     def _send(self, request_id: str, keys: list[bytes]) -> None:
         try:
-            self._link.call(lambda c: c.prefetch(request_id, self._link.namespace, [keys]))
+            chains = [shard_keys(keys, rank) for rank in self._ranks]  # every rank's share
+            self._link.call(lambda c: c.prefetch(request_id, self._link.namespace, chains))
             self.counts["sent_hints"] += 1
         except Exception as error:
             self.counts["failed_hints"] += 1
@@ -312,6 +323,15 @@ class _Hints:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _tp_rank(tp_size: int) -> int:
+    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def check_cpu_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: Any) -> None:

@@ -2,9 +2,10 @@
 
 ``model_namespace(vllm_config, settings)`` reads the geometry of vLLM's KV cache from its
 config (``model_config``: attention layers, KV heads, head size, dtype; ``cache_config``:
-block size and KV dtype; ``parallel_config``), not the model's architecture: any decoder
-whose attention keeps per-head K and V in vLLM's paged cache is served the same way,
-Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3 alike. The blocks hold K as vLLM rotated it, so
+block size and KV dtype; ``parallel_config``: how many tensor-parallel ranks share the KV
+heads, each rank storing its share under keys of its own), not the model's architecture:
+any decoder whose attention keeps per-head K and V in vLLM's paged cache is served the
+same way, Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3 alike. The blocks hold K as vLLM rotated it, so
 RoPE is never computed here; its parameters only tell two models' KV apart
 (:func:`~kvstore.inference_adapter.weights.rope_identity`). A Llama gets the namespace
 kvstore's engine derives from the same config (``namespace_for``), so both read each
@@ -13,9 +14,9 @@ other's blocks.
 Refused, with a ``ValueError`` naming what was found: a cache that is not per-head K and V
 (MLA's compressed latents), state other than attention KV (hybrid Mamba-style and
 attention-free models), cross-attention (encoder-decoder), a KV cache dtype other than the
-model's, tensor or pipeline parallelism, separate KV-cache groups (vLLM's hybrid KV-cache
-manager kept on for sliding-window layers), a ``block_tokens`` that is not a multiple of
-vLLM's block size. No vLLM import: the config is read through its attributes.
+model's, pipeline parallelism, separate KV-cache groups (vLLM's hybrid KV-cache manager
+kept on for sliding-window layers), a ``block_tokens`` that is not a multiple of vLLM's
+block size. No vLLM import: the config is read through its attributes.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def model_namespace(vllm_config: Any, settings: ConnectorSettings) -> Namespace:
         block_tokens=block_tokens,
         rope_theta=theta,
         rope_scaling=scaling,
+        tp_size=parallel.tensor_parallel_size,
     )
     return Namespace(fingerprint, settings.tenant)
 
@@ -88,10 +90,10 @@ def _check_cache(model_config: Any, vllm_config: Any) -> None:
     if cache_dtype != "auto":
         raise ValueError(f"KVStoreConnector needs kv_cache_dtype 'auto', got {cache_dtype!r}")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "KVStoreConnector runs with tensor_parallel_size 1 and pipeline_parallel_size 1, "
-            f"got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}"
+            "KVStoreConnector runs with pipeline_parallel_size 1, got "
+            f"{parallel.pipeline_parallel_size}"
         )
     scheduler = getattr(vllm_config, "scheduler_config", None)
     grouped = getattr(scheduler, "disable_hybrid_kv_cache_manager", True) is False

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstore.client import ROOT_KEY, LookupResult, Namespace, block_keys
+from kvstore.client import ROOT_KEY, LookupResult, Namespace, block_keys, shard_keys
 
-__all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
+__all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan", "held_by_every_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -246,3 +246,13 @@ class SchedulerSide:
 def _below_host(found: LookupResult, held: int) -> bool:
     """Whether one of the first ``held`` blocks found has its highest copy below host memory."""
     return any(tier != "host" for tier in found.tiers[:held])
+
+
+def held_by_every_rank(
+    lookup: Callable[[Sequence[bytes]], LookupResult], keys: Sequence[bytes], tp_size: int
+) -> LookupResult:
+    """What every tensor-parallel rank holds of ``keys``: each rank's share looked up under
+    its keys (``shard_keys``), the shortest answer kept (a block is loadable only when every
+    rank can load its heads of it)."""
+    found = [lookup(shard_keys(keys, rank)) for rank in range(tp_size)]
+    return min(found, key=lambda result: result.num_blocks)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvstore.client import KVStoreClient, Namespace, WriteStatus
+from kvstore.client import KVStoreClient, Namespace, WriteStatus, shard_keys
 from kvstore.client.tensors import HostBlocks
 from kvstore.inference_adapter.core.saver import SaveJob, SaveQueue
 from kvstore.inference_adapter.core.transfer import LayerKV, LayerSignals, LayerWriter, staging_for
@@ -104,6 +104,8 @@ class WorkerSide:
         layers: Per attention layer in model order, its K/V views.
         save_queue_blocks: Most blocks waiting to be put.
         load_timeout_s: How long ``wait_layer`` waits for one layer.
+        rank: This worker's tensor-parallel rank: it saves and loads its share of the KV
+            heads under that rank's keys (``shard_keys``), so ranks never collide.
     """
 
     def __init__(
@@ -114,8 +116,10 @@ class WorkerSide:
         *,
         save_queue_blocks: int,
         load_timeout_s: float,
+        rank: int = 0,
     ) -> None:
         self.namespace = namespace
+        self.rank = rank
         self.layers = list(layers)
         self.block_tokens = namespace.model.block_tokens
         self.per_block = self.block_tokens // self.layers[0].block_size
@@ -179,7 +183,8 @@ class WorkerSide:
         with contextlib.ExitStack() as leases:
             groups: list[tuple[HostBlocks, torch.Tensor]] = []
             for spec in load.specs:
-                blocks = leases.enter_context(client.host_blocks(self.namespace, spec.keys))
+                keys = shard_keys(spec.keys, self.rank)
+                blocks = leases.enter_context(client.host_blocks(self.namespace, keys))
                 if len(blocks) < len(spec.keys):
                     spec = self._short(spec, len(blocks))
                 if len(blocks):
@@ -285,7 +290,8 @@ class WorkerSide:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self.device))
         for spec, staging in staged:
-            job = SaveJob(keys=spec.keys, parent=spec.parent, blocks=staging, ready=ready)
+            keys = shard_keys((spec.parent, *spec.keys), self.rank)
+            job = SaveJob(keys=tuple(keys[1:]), parent=keys[0], blocks=staging, ready=ready)
             if self._saves.offer(job):
                 self.counts["queued_saves"] += len(spec.keys)
             else:

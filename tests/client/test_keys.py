@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kvstore.client import ROOT_KEY, KeySalt, ModelFingerprint, Namespace, block_keys
+from kvstore.client import ROOT_KEY, KeySalt, ModelFingerprint, Namespace, block_keys, shard_keys
 
 GOLDEN_MODEL = ModelFingerprint(
     "golden-model",
@@ -157,6 +157,7 @@ def test_shared_prefix_shares_leading_keys_and_divergence_changes_all_later() ->
         {"head_dim": 16},
         {"rope_theta": 500000.0},
         {"rope_scaling": (("factor", 8.0),)},
+        {"tp_size": 2},
     ],
 )
 def test_every_namespace_field_separates_keys(change: dict[str, object]) -> None:
@@ -240,6 +241,7 @@ def test_bad_tokens_raise_naming_index_and_value(tokens: object, match: str) -> 
         ({"rope_scaling": (("factor", float("inf")),)}, r"rope_scaling\['factor'\] must be"),
         ({"rope_scaling": (("a", 1.0), ("a", 2.0))}, "rope_scaling keys must be distinct"),
         ({"rope_scaling": {"factor": 8.0}}, r"rope_scaling must hold \(name, value\) pairs"),
+        ({"tp_size": 0}, "tp_size must be a positive int, got 0"),
     ],
 )
 def test_bad_fingerprint_fields_raise_naming_them(change: dict[str, object], match: str) -> None:
@@ -316,3 +318,16 @@ def test_fingerprint_reads_old_and_new_hf_rope_spellings() -> None:
         dtype="float16",
     )
     assert plain_old.digest() == plain_new.digest() and plain_new.rope_scaling == ()
+
+
+def test_each_tensor_parallel_rank_has_keys_of_its_own() -> None:
+    """Rank 0 keeps the chain's keys (the golden vector holds for it); every other rank's
+    keys are its own, the same on every call, and the root stays the root."""
+    keys = block_keys(list(range(64)), small(tp_size=2))
+    assert shard_keys(keys, 0) == keys
+    ranks = [shard_keys([ROOT_KEY, *keys], rank) for rank in range(4)]
+    assert all(chain[0] == ROOT_KEY for chain in ranks)
+    assert len({key for chain in ranks for key in chain[1:]}) == 4 * len(keys)
+    assert shard_keys(keys, 3) == ranks[3][1:]
+    with pytest.raises(ValueError, match="rank must be >= 0, got -1"):
+        shard_keys(keys, -1)

@@ -53,10 +53,10 @@ def connector_config(daemon: Daemon, **more: object) -> str:
 
 
 def chat(
-    model: Path, connector: str | None, *hooks: str, shape: ChatShape = SHAPE
+    model: Path, connector: str | None, *hooks: str, shape: ChatShape = SHAPE, tp: int = 1
 ) -> dict[str, Any]:
     """One vLLM process playing ``shape``; its JSON report."""
-    done = run_driver(model, connector, *hooks, shape=shape)
+    done = run_driver(model, connector, *hooks, shape=shape, tp=tp)
     assert done.returncode == 0, done.stderr[-6000:]
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     report["log"] = done.stdout + done.stderr
@@ -64,7 +64,7 @@ def chat(
 
 
 def run_driver(
-    model: Path, connector: str | None, *hooks: str, shape: ChatShape = SHAPE
+    model: Path, connector: str | None, *hooks: str, shape: ChatShape = SHAPE, tp: int = 1
 ) -> subprocess.CompletedProcess[str]:
     command = module_command("kvstore.inference_adapter.bench.vllm_chat", python=VLLM_PYTHON)
     command += ["--model", str(model), "--block-size", str(BLOCK), "--kv-cache-mib", "256"]
@@ -76,6 +76,11 @@ def run_driver(
     for hook in hooks:
         command += ["--after-turn", hook]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if tp > 1:  # one worker process a rank, one thread each, on cores of their own
+        command += ["--tensor-parallel-size", str(tp)]
+        cores = sorted(os.sched_getaffinity(0))
+        bind = "|".join(str(cores[rank % len(cores)]) for rank in range(tp))
+        env |= {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": bind}
     return subprocess.run(command, capture_output=True, text=True, timeout=540, env=env)
 
 
@@ -364,3 +369,19 @@ def test_other_decoders_reuse_their_kv_and_answer_like_recompute(
     assert loaded[0] == 0 and reusable[1] >= 16
     for turn in (1, 2):
         assert loaded[turn] >= 0.9 * reusable[turn], f"turn {turn + 1}: {loaded} of {reusable}"
+
+
+def test_tensor_parallel_ranks_each_store_and_load_their_share(model: Path, daemon: Daemon) -> None:
+    """TP=2 (two CPU workers over loopback): each rank saves and loads its half of the KV
+    heads under keys of its own; the chat answers as without the store, and turns 2-3 load
+    what earlier turns saved."""
+    baseline = chat(model, None, shape=OTHER_SHAPE, tp=2)
+    stored = chat(model, connector_config(daemon), shape=OTHER_SHAPE, tp=2)
+    assert tokens(stored) == tokens(baseline)
+    loaded, reusable = loaded_blocks(stored), reusable_blocks(stored)
+    assert loaded[0] == 0 and reusable[1] >= 16
+    for turn in (1, 2):
+        assert loaded[turn] >= 0.9 * reusable[turn], f"turn {turn + 1}: {loaded} of {reusable}"
+    with KVStoreClient(daemon.address, retries=0, timeout=10.0) as client:
+        usage = client.stats()
+    assert usage.blocks >= 2 * sum(reusable[1:2])  # both ranks' shares are stored

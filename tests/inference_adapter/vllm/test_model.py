@@ -154,8 +154,7 @@ def test_rope_parameters_alone_tell_two_otherwise_equal_models_apart() -> None:
         (vllm_config(is_attention_free=True), SETTINGS, "hybrid or attention-free"),
         (vllm_config(is_encoder_decoder=True), SETTINGS, "encoder-decoder"),
         (vllm_config(cache_dtype="fp8"), SETTINGS, "needs kv_cache_dtype 'auto', got 'fp8'"),
-        (vllm_config(tp=2), SETTINGS, "tensor_parallel_size 1 .* got 2 and 1"),
-        (vllm_config(pp=2), SETTINGS, "got 1 and 2"),
+        (vllm_config(pp=2), SETTINGS, "pipeline_parallel_size 1, got 2"),
         (
             vllm_config(DECODERS["gemma3"], hybrid_manager_off=False),
             SETTINGS,
@@ -187,3 +186,13 @@ def test_sliding_window_layers_are_served_when_vllm_keeps_one_kv_cache_group() -
     for off in (True, None):
         got = model_namespace(vllm_config(DECODERS["gemma3"], hybrid_manager_off=off), SETTINGS)
         assert got.model.num_layers == 3
+
+
+def test_tensor_parallel_ranks_store_their_share_of_the_kv_heads() -> None:
+    """With TP each rank's cache holds num_kv_heads / TP heads: the namespace describes one
+    rank's share and the rank count, apart from the unsplit model's."""
+    whole = model_namespace(vllm_config(), SETTINGS)
+    split = model_namespace(vllm_config(tp=2), SETTINGS)
+    assert (split.model.num_kv_heads, split.model.tp_size) == (1, 2)
+    assert split.model.layout().payload_bytes * 2 == whole.model.layout().payload_bytes
+    assert split.digest() != whole.digest()

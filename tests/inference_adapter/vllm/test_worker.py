@@ -19,7 +19,12 @@ import torch
 from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
 from kvstore.inference_adapter.vllm.layout import LayerKV, layer_kv
 from kvstore.inference_adapter.vllm.link import Link
-from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
+from kvstore.inference_adapter.vllm.scheduler import (
+    LoadSpec,
+    SaveSpec,
+    StepPlan,
+    held_by_every_rank,
+)
 from kvstore.inference_adapter.vllm.worker import WorkerSide
 from tests.support.daemon import Daemon
 
@@ -62,7 +67,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 def worker_for(
-    daemon: Daemon, namespace: Namespace, layout: str, device: str, timeout_s: float = 10.0
+    daemon: Daemon,
+    namespace: Namespace,
+    layout: str,
+    device: str,
+    timeout_s: float = 10.0,
+    rank: int = 0,
 ) -> tuple[WorkerSide, list[LayerKV]]:
     kind = "split" if layout.startswith("split") else layout
     layers = [
@@ -78,7 +88,9 @@ def worker_for(
         wait_for_connect=True,
     )
     link.warm()  # as the connector does at start
-    worker = WorkerSide(link, namespace, layers, save_queue_blocks=64, load_timeout_s=timeout_s)
+    worker = WorkerSide(
+        link, namespace, layers, save_queue_blocks=64, load_timeout_s=timeout_s, rank=rank
+    )
     return worker, layers
 
 
@@ -130,6 +142,47 @@ def test_blocks_saved_from_one_worker_load_into_another(
                 expected = content(layer, kv, SIZE, vllm_index * SIZE).to(device)
                 assert torch.equal(part[block], expected)  # a prefix hit is bit-exact
     loader.close()
+
+
+def test_tensor_parallel_ranks_save_and_load_their_own_heads(daemon: Daemon) -> None:
+    """TP=2: each rank's worker saves its share of the heads under its own keys, the
+    scheduler's lookup counts a block only once every rank holds it, and each rank loads
+    back exactly what it saved, never the other's."""
+    model = ModelFingerprint("tp-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS, tp_size=2)
+    namespace = Namespace(model, "tp")
+    keys = tuple(block_keys(list(range(3, 3 + 3 * BLOCK_TOKENS + 5)), namespace))
+    source_ids = (3, 9, 1, 12, 5, 0)
+    with KVStoreClient(daemon.address, retries=0, timeout=10.0) as client:
+
+        def held() -> int:
+            lookup = lambda shard: client.lookup_tiers(namespace, shard)  # noqa: E731
+            return held_by_every_rank(lookup, keys, 2).num_blocks
+
+        for rank in (0, 1):
+            saver, source = worker_for(daemon, namespace, "split_nhd", "cpu", rank=rank)
+
+            def compute(layer: int, source: list[LayerKV] = source, rank: int = rank) -> None:
+                for index, block in enumerate(source_ids):
+                    for kv, part in enumerate((source[layer].k, source[layer].v)):
+                        part[block] = content(layer, kv + 2 * rank, SIZE, index * SIZE)
+
+            step(saver, StepPlan(saves=(SaveSpec("r", keys, ROOT_KEY, 0, source_ids),)), compute)
+            assert saver.wait_for_saves(30.0) and saver.save_counts()["stored"] == 3
+            saver.close()
+            assert held() == (0 if rank == 0 else 3)  # rank 1 had nothing yet
+
+    target_ids = (10, 2, 14, 4, 6, 8)
+    for rank in (1, 0):
+        loader, target = worker_for(daemon, namespace, "split_nhd", "cpu", rank=rank)
+        load = LoadSpec("r2", keys, 0, target_ids, skip_before=0)
+        step(loader, StepPlan(loads=(load,)), lambda layer: None)
+        assert loader.take_failed_blocks() == set()
+        for layer in range(LAYERS):
+            for kv, part in enumerate((target[layer].k, target[layer].v)):
+                for index, block in enumerate(target_ids):
+                    expected = content(layer, kv + 2 * rank, SIZE, index * SIZE)
+                    assert torch.equal(part[block], expected), (rank, layer, kv, index)
+        loader.close()
 
 
 def test_a_missing_block_loads_the_prefix_and_reports_the_rest(daemon: Daemon) -> None:
