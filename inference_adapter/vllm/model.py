@@ -5,11 +5,11 @@ config (``model_config``: attention layers, KV heads, head size, dtype; ``cache_
 block size and KV dtype; ``parallel_config``: how many tensor-parallel ranks share the KV
 heads, each rank storing its share under keys of its own), not the model's architecture:
 any decoder whose attention keeps per-head K and V in vLLM's paged cache is served the
-same way (Llama, Qwen2/3, Mistral, Phi-3 and Gemma 2 are run end to end in the tests). The
-blocks hold K as vLLM rotated it, so RoPE is never computed here; its parameters only tell
-two models' KV apart (:func:`~kvstore.inference_adapter.weights.rope_identity`). A Llama
-gets the namespace kvstore's engine derives from the same config (``namespace_for``), so
-both read each other's blocks.
+same way (Llama, Qwen2, Phi-3 and Gemma 2 run end to end in the tests). The blocks hold K
+as vLLM rotated it, so RoPE is never computed here; its parameters only tell two models' KV
+apart (:func:`~kvstore.inference_adapter.weights.rope_identity`). A Llama gets the
+namespace kvstore's engine derives from the same config (``namespace_for``), so both read
+each other's blocks.
 
 Refused, with a ``ValueError`` naming what was found: a cache that is not per-head K and V
 (MLA's compressed latents), state other than attention KV (hybrid Mamba-style and

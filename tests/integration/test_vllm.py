@@ -348,19 +348,21 @@ def test_what_the_connector_cannot_serve_exactly_stops_vllm_at_start(
 OTHER_SHAPE = ChatShape(sessions=1, turns=3, first_tokens=512, turn_tokens=128, answer_tokens=16)
 
 
-# Gemma 3 is held back: in one full-suite run of two at once, its chat with the connector
-# decoded degenerate tokens from turn 1's second token on (no block loaded yet), and 7 runs
-# since did not; until that is understood it is not claimed here.
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3", "phi3", "gemma2"])
+# Three that each differ from a Llama in another way (about 70 s each, vLLM's start twice):
+# "mistral" and "qwen3" (ARCHITECTURES, TRANSFORMERS_ARCHITECTURES) pass the same test and
+# stay out of the suite for time. Gemma 3 is held back: in one full-suite run of two at once,
+# its chat with the connector decoded degenerate tokens from turn 1's second token on (no
+# block loaded yet), and 7 runs since did not; until that is understood it is not claimed.
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma2"])
 def test_other_decoders_reuse_their_kv_and_answer_like_recompute(
     arch: str, tmp_path: Path, daemon: Daemon
 ) -> None:
     """The namespace comes from the KV cache's geometry, not the architecture: Qwen2 (q, k
-    and v biases, here with yarn scaling: K is stored as vLLM rotated it), Mistral, Qwen3
-    (per-head q/k norms), Phi-3 (fused projections) and Gemma 2 (sliding-window layers over
-    a 128-token window, kept whole: vLLM turns its hybrid KV-cache manager off with a
-    connector), each random and run by vLLM's own model code, answer a 3-turn chat with the
-    store exactly as without it, loading what earlier turns saved."""
+    and v biases, here with yarn scaling: K is stored as vLLM rotated it), Phi-3 (fused
+    projections) and Gemma 2 (sliding-window layers over a 128-token window, kept whole:
+    vLLM turns its hybrid KV-cache manager off with a connector), each random and run by
+    vLLM's own model code, answer a 3-turn chat with the store exactly as without it,
+    loading what earlier turns saved."""
     checkpoint = write_model(tmp_path / arch, "test", arch=arch)
     if arch == "qwen2":
         config = json.loads((checkpoint / "config.json").read_text())

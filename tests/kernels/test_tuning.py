@@ -114,7 +114,7 @@ def test_every_decode_launch_a_gpu_may_pick_computes_the_same_attention(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ["gqa2-tiles", "gqa4-head-dim-96"])
+@pytest.mark.parametrize("case", ["gqa4-head-dim-96"])
 def test_every_prefill_launch_a_gpu_may_pick_computes_the_same_attention(
     case: str, dtype: torch.dtype
 ) -> None:
