@@ -16,6 +16,13 @@ This module turns it into what ``weights.py`` reads from a Hugging Face checkpoi
   ``LlamaModel.from_weights``.
 - ``read_gguf_metadata(path)``: every key as Python values, for the tokenizer
   (``tokenizer.py``).
+- ``write_hf_checkpoint(path, folder, dtype=...)``: a Gemma 3 text file (``gemma3``) as a
+  Hugging Face checkpoint (``config.json`` and ``model.safetensors``) for engines that load
+  those (vLLM). What the file does not record is what llama.cpp assumes for the
+  architecture: every sixth layer global, the others over ``sliding_window``; local RoPE at
+  base 10,000; queries scaled by ``1/sqrt(head_dim)``. llama.cpp's converter adds 1 to every
+  Gemma norm weight (its RMSNorm multiplies by ``w``, Gemma's by ``1 + w``); it is taken off
+  again here. Gemma does not permute Q and K.
 
 Dequantising SmolLM2-135M (Q4_1 and Q8_0) takes about a second on one core, so no weights
 are cached on disk; parsing the metadata (its 49k-token vocabulary) takes about two, so the
@@ -30,6 +37,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +50,11 @@ from kvstore.inference_adapter.weights import LlamaConfig
 from kvstore.kernels.rope import UnsupportedRopeScalingError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+EXPORTED_ARCHITECTURES = ("gemma3",)
+# llama.cpp's Gemma 3 graph: what a gemma3 file leaves out (llama-model.cpp, LLM_ARCH_GEMMA3)
+_GEMMA3_GLOBAL_EVERY = 6  # layers 5, 11, 17, ... attend globally, the rest over the window
+_GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+_GEMMA3_NORM_SHIFT = 1.0  # llama.cpp's converter adds it to every *norm.weight
 _ROPE_FACTORS = "rope_freqs.weight"
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAMES = {
@@ -59,6 +72,15 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 logger = logging.getLogger(__name__)
@@ -126,6 +148,84 @@ def read_gguf_metadata(path: str | Path) -> Metadata:
     return _metadata(_open(path))
 
 
+def write_hf_checkpoint(
+    path: str | Path,
+    folder: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: bool = True,
+) -> Path:
+    """The Gemma 3 model in the GGUF file ``path`` as a Hugging Face checkpoint in ``folder``
+    (created): ``config.json`` (``Gemma3ForCausalLM``, transformers' ``Gemma3TextConfig``),
+    ``model.safetensors`` with every tensor dequantised, then cast to ``dtype``, and with
+    ``tokenizer`` the tokenizer's files (``tokenizer.json``, ...).
+
+    Raises:
+        FileNotFoundError: No such file.
+        ValueError: Not a GGUF file, an architecture other than those in
+            ``EXPORTED_ARCHITECTURES``, or a tensor gguf cannot dequantise.
+    """
+    from safetensors.torch import save_file
+    from transformers import Gemma3TextConfig
+
+    reader = _open(path)
+    meta = _metadata(reader, vocab=False)
+    _architecture(meta, EXPORTED_ARCHITECTURES, "cannot be written as a Hugging Face checkpoint")
+
+    def get(key: str) -> object:
+        value = meta.get(f"gemma3.{key}")
+        if value is None:
+            raise ValueError(f"GGUF metadata needs gemma3.{key}")
+        return value
+
+    layers, head_dim = get("block_count"), get("attention.key_length")
+    assert isinstance(layers, int) and isinstance(head_dim, int)
+    kinds = ("sliding_attention",) * (_GEMMA3_GLOBAL_EVERY - 1) + ("full_attention",)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    settings: dict[str, Any] = {
+        "hidden_size": get("embedding_length"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": get("attention.head_count"),
+        "num_key_value_heads": get("attention.head_count_kv"),
+        "head_dim": head_dim,
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": [kinds[layer % len(kinds)] for layer in range(layers)],
+        "query_pre_attn_scalar": head_dim,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": get("rope.freq_base")},
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
+        },
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", 2),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id", 1),
+    }
+    config = Gemma3TextConfig(**settings)
+    config.architectures = ["Gemma3ForCausalLM"]
+    config.dtype = dtype
+    weights = {}
+    for tensor in reader.tensors:
+        array = _dequantized(tensor)
+        if tensor.name.endswith("norm.weight"):
+            array -= _GEMMA3_NORM_SHIFT
+        name = f"model.{_hf_name(tensor.name, _GEMMA3_LAYER_NAMES)}"
+        weights[name.replace("model.lm_head", "lm_head")] = torch.from_numpy(array).to(dtype)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    save_file(weights, str(folder / "model.safetensors"))
+    if tokenizer:  # transformers' reading of the file's vocabulary (about 30 s for Gemma 3)
+        from transformers import AutoTokenizer
+
+        source = Path(path)
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(folder)
+    logger.info("wrote %s as a %s checkpoint in %s", path, dtype, folder)
+    return folder
+
+
 def _open(path: str | Path) -> GGUFReader:
     """The file's reader, shared by the calls that read the same unchanged file."""
     path = Path(path)
@@ -175,14 +275,17 @@ def _scalar(part: npt.NDArray[np.generic], kind: GGUFValueType) -> object:
     return value.item()
 
 
+def _architecture(meta: Metadata, allowed: tuple[str, ...], refusal: str) -> str:
+    """The file's architecture when it is one of ``allowed``; else ValueError."""
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or arch not in allowed:
+        raise ValueError(f"GGUF architecture {arch!r} {refusal} (supported: {', '.join(allowed)})")
+    return arch
+
+
 def _config(reader: GGUFReader) -> LlamaConfig:
     meta = _metadata(reader, vocab=False)
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    arch = _architecture(meta, SUPPORTED_ARCHITECTURES, "is not supported")
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if _ROPE_FACTORS in tensors:
         raise UnsupportedRopeScalingError(
@@ -250,16 +353,16 @@ def _weights(
         yield name, array
 
 
-def _hf_name(name: str) -> str:
-    """llama.cpp's tensor name -> ``LlamaModel``'s: ``blk.3.attn_q.weight`` ->
-    ``layers.3.self_attn.q_proj.weight``."""
+def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
+    """llama.cpp's tensor name -> ``LlamaModel``'s (or, with Gemma's ``layer_names``,
+    ``Gemma3TextModel``'s): ``blk.3.attn_q.weight`` -> ``layers.3.self_attn.q_proj.weight``."""
     stem, _, kind = name.rpartition(".")
     if stem in _GLOBAL_NAMES and kind == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight"
     match = _LAYER.fullmatch(name)
-    if match is None or match[2] not in _LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model")
-    return f"layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    if match is None or match[2] not in layer_names:
+        raise ValueError(f"GGUF tensor {name!r} has no place in the model")
+    return f"layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
 
 
 def _dequantized(tensor: ReaderTensor) -> npt.NDArray[np.float32]:

