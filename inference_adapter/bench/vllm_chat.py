@@ -24,7 +24,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +197,7 @@ def engine(
     max_model_len: int = 8192,
     kv_cache_bytes: int = 512 << 20,
     tensor_parallel_size: int = 1,
+    dtype: str = "float32",
 ) -> Any:
     """vLLM's offline engine on ``model``; ``connector`` is ``kv_connector_extra_config``
     for KVStoreConnector, or ``None`` for none. vLLM's prefix cache is off."""
@@ -221,7 +222,7 @@ def engine(
         kv_transfer_config=transfer,
         block_size=block_size,
         max_model_len=max_model_len,
-        dtype="float32",
+        dtype=dtype,
         kv_cache_memory_bytes=kv_cache_bytes,
         disable_log_stats=False,
         seed=0,
@@ -230,14 +231,20 @@ def engine(
 
 
 def run_chats(
-    llm: Any, shape: ChatShape, after_turn: dict[int, list[str]] | None = None
+    llm: Any,
+    shape: ChatShape,
+    after_turn: dict[int, list[str]] | None = None,
+    users: list[list[list[int]]] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Plays every session turn by turn (sessions interleaved per turn, one request each);
-    after turn ``n`` (1-based) the shell commands ``after_turn[n]`` run, in order."""
+    after turn ``n`` (1-based) the shell commands ``after_turn[n]`` run, in order. The
+    users' turns are ``users`` (per session, per turn, token ids; ``shape`` says only how
+    long answers are) or else ``chat_turns(shape)``."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=shape.answer_tokens, temperature=0.0, detokenize=False)
-    users = chat_turns(shape)
+    users = users or chat_turns(shape)
+    shape = replace(shape, sessions=len(users), turns=min(len(turns) for turns in users))
     histories: list[list[int]] = [[] for _ in users]
     results: list[list[dict[str, Any]]] = [[] for _ in users]
     for turn in range(shape.turns):
@@ -276,7 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the model's and the KV cache's dtype")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
+    parser.add_argument("--prompts", type=Path,
+                        help="the users' turns as JSON (per session, per turn, token ids), "
+                             "instead of random ones: a real chat")  # fmt: skip
+    parser.add_argument("--baseline-first", action="store_true",
+                        help="play the chats without a connector first, in the same process "
+                             "(the report's 'baseline')")  # fmt: skip
     parser.add_argument(
         "--after-turn",
         action="append",
@@ -291,22 +306,17 @@ def main(argv: list[str] | None = None) -> int:
         write_model(args.model, args.write_model, arch=args.arch)
     shape = ChatShape(**{name: getattr(args, name) for name in asdict(ChatShape())})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    started = time.perf_counter()
-    llm = engine(
-        args.model,
-        json.loads(args.connector) if args.connector else None,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_mib << 20,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
-    start_s = time.perf_counter() - started
     hooks: dict[int, list[str]] = {}
     for hook in args.after_turn:
         turn, _, command = hook.partition(":")
         hooks.setdefault(int(turn), []).append(command)
-    sessions = run_chats(llm, shape, hooks)
-    stats = _connector_stats(llm)
-    report = {"engine_start_s": start_s, "sessions": sessions, "connector": stats}
+    users = json.loads(args.prompts.read_text()) if args.prompts else None
+    connector = json.loads(args.connector) if args.connector else None
+    report: dict[str, Any] = {}
+    if args.baseline_first:  # one process, one import of vLLM, for both runs
+        report["baseline"] = _play(args, None, shape, {}, users)
+        _close_engine()
+    report |= _play(args, connector, shape, hooks, users)
     text = json.dumps(report)
     if args.out:
         args.out.write_text(text)
@@ -314,6 +324,40 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     sys.stdout.flush()
     return 0
+
+
+def _play(
+    args: argparse.Namespace,
+    connector: dict[str, Any] | None,
+    shape: ChatShape,
+    hooks: dict[int, list[str]],
+    users: list[list[list[int]]] | None,
+) -> dict[str, Any]:
+    """Start an engine as ``args`` say, play the chats, report."""
+    started = time.perf_counter()
+    llm = engine(
+        args.model,
+        connector,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+    )
+    start_s = time.perf_counter() - started
+    sessions = run_chats(llm, shape, hooks, users)
+    report = {"engine_start_s": start_s, "sessions": sessions, "connector": _connector_stats(llm)}
+    llm.llm_engine.engine_core.shutdown()
+    return report
+
+
+def _close_engine() -> None:
+    """Free the in-process engine's model and process groups, so another can start."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def _worker_side() -> Any:
