@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink-tokens", type=int, default=64, help="kept when a chat is cut")
     parser.add_argument("--page-tokens", type=int, default=16, help="tokens per page and block")
     parser.add_argument(
+        "--hbm-pages",
+        type=int,
+        default=0,
+        help="pool pages kept resident between turns (the HBM level; 0: off)",
+    )
+    parser.add_argument(
         "--no-recompute", action="store_true", help="skip the engine that recomputes each turn"
     )
     random = parser.add_argument_group("--random: a small random model, no file needed")
@@ -137,7 +144,12 @@ def run_chat(args: argparse.Namespace) -> int:
     window = min(args.window, chat.model.config.max_position_embeddings)
     sampling = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=chat.stop_token_ids)
     pages = window // args.page_tokens + 1
-    store_engine = Engine(chat.model, num_pages=pages, page_tokens=args.page_tokens)
+    store_engine = Engine(
+        chat.model,
+        num_pages=pages + args.hbm_pages,
+        page_tokens=args.page_tokens,
+        retain_pages=args.hbm_pages,
+    )
     recompute = None
     if not args.no_recompute:
         recompute = Engine(chat.model, num_pages=pages, page_tokens=args.page_tokens)
@@ -170,12 +182,21 @@ def run_chat(args: argparse.Namespace) -> int:
             )
             print(f"kvstore chat: {chat.describe}; daemon {address} ({client.data_plane})")
             agreed = True
+            levels: Counter[str] = Counter()  # prompt tokens by where their KV came from
             for index, text in enumerate(messages, start=1):
                 first = not server.session("chat").turns
                 tokens = chat.message_tokens(text, first)
                 turn = _run_turn(server, chat, tokens)
                 connector.wait_for_saves(30.0)  # so the next turn finds this one's blocks
                 agreed &= _report(index, turn, recompute, sampling)
+                for level, blocks in turn.request.loaded_from.items():
+                    levels[level] += blocks * args.page_tokens
+                levels["computed"] += turn.request.num_computed_tokens
+            total = sum(levels.values()) or 1
+            print("prompt tokens by level: " + ", ".join(
+                f"{level} {levels[level]} ({levels[level] / total:.0%})"
+                for level in ("hbm", "host", "ssd", "redis", "computed") if levels[level]
+            ))  # fmt: skip
             stats = connector.stats()
             print(
                 f"store: {stats.loaded_blocks} blocks loaded, {stats.saves.stored} saved, "
@@ -224,7 +245,8 @@ def _report(index: int, turn: Turn, recompute: Engine | None, sampling: Sampling
     tiers = ", ".join(f"{tier} {n} blocks" for tier, n in sorted(request.loaded_from.items()))
     parts = [
         f"turn {index}: prompt {len(request.prompt)} tokens",
-        f"loaded {request.num_loaded_tokens}{f' ({tiers})' if tiers else ''}, "
+        f"loaded {request.num_loaded_tokens + request.num_resident_tokens}"
+        f"{f' ({tiers})' if tiers else ''}, "
         f"computed {request.num_computed_tokens}",
     ]
     if turn.dropped_tokens:

@@ -2,9 +2,13 @@
 
 ``Engine.generate(requests)`` loops until every request is done:
 
-1. admission, while a batch slot and enough pages are free: ask the connector how many
-   leading prompt tokens it can load (``num_loadable_tokens``), take pages for the prompt
-   plus ``max_tokens`` (``PageAllocator.allocate``). The request next in line when there is
+1. admission, while a batch slot and enough pages are free: with ``retain_pages``, map the
+   prompt's leading pages still resident in the pool (``PageAllocator.share``: the HBM
+   level, no copy, counted as ``loaded_from["hbm"]``); unless they cover every full page
+   but the last token's, ask the connector how many leading prompt tokens it can load
+   (``num_loadable_tokens``: when that is more than the resident pages hold, the load
+   replaces them); take pages for the rest of the prompt plus ``max_tokens``
+   (``PageAllocator.allocate``). The request next in line when there is
    no room is handed to ``prepare`` before each step, so the connector can fetch its KV
    while it waits;
 2. prefill of the admitted request, new tokens only: ``start_load`` the prefix, then before
@@ -15,7 +19,11 @@
 3. decode: one token for every running sequence per step (``decode_attention``);
 4. a sequence that sampled a stop token or reached ``max_tokens`` ends: ``save`` offers all
    its KV (``tokens = prompt + output``; all but the last token, which was never fed back),
-   then ``request_finished``, then its pages are freed.
+   then ``request_finished``, then its pages are freed. With ``retain_pages``, the full
+   pages of exact KV (a request without a ``reuse`` plan or ``salt``) are published under
+   their prefix keys after the prefill and at the end, so the pages stay resident for the
+   next turn or another session with the same prefix (up to ``retain_pages`` idle pages,
+   least recently used evicted first).
 
 ``generate(requests, on_token=...)`` calls ``on_token(request, token)`` as each token is
 sampled (a chat streams its reply with it). ``score(request)`` runs one request's admission,
@@ -38,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.client import block_keys
 from kvstore.inference_adapter.interfaces import (
     KVConnector,
     NullConnector,
@@ -52,7 +61,7 @@ from kvstore.inference_adapter.pages import (
     prefill_batch,
 )
 from kvstore.inference_adapter.sampling import new_generator, sample
-from kvstore.inference_adapter.weights import LlamaConfig
+from kvstore.inference_adapter.weights import LlamaConfig, namespace_for
 from kvstore.kernels.rope import RopeTables
 
 logger = logging.getLogger(__name__)
@@ -90,6 +99,7 @@ class Engine:
         page_tokens: int,
         connector: KVConnector | None = None,
         max_batch: int = 8,
+        retain_pages: int = 0,
     ) -> None:
         if page_tokens < 1 or max_batch < 1:
             raise ValueError(
@@ -99,7 +109,12 @@ class Engine:
         self.page_tokens = page_tokens
         self.max_batch = max_batch
         self.connector: KVConnector = connector or NullConnector()
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages, retain_pages=retain_pages)
+        # Keys of the pool's resident pages: the store's prefix-hash chain, in a namespace of
+        # this pool's own (one model, one page size).
+        self._page_space = namespace_for(
+            model.config, model_name="kvstore-engine-pool", block_tokens=page_tokens
+        )
         # [num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]
         self.kv_pool = model.new_kv_pool(num_pages, page_tokens)
 
@@ -191,16 +206,43 @@ class Engine:
 
     def _admit(self, request: Request) -> Sequence:
         admitted_at = time.perf_counter()
-        num_loadable = self.connector.num_loadable_tokens(request)
-        if not 0 <= num_loadable < len(request.prompt):
-            raise ValueError(
-                f"request {request.request_id!r}: the connector offers {num_loadable} tokens "
-                f"of a {len(request.prompt)}-token prompt (0..{len(request.prompt) - 1} allowed)"
-            )
-        pages = self.allocator.allocate(self.num_pages_needed(request))
+        request.loaded_from = {}
+        shared = self.allocator.share(self._exact_keys(request, len(request.prompt) - 1))
+        num_loadable = 0
+        if not shared or len(shared) < (len(request.prompt) - 1) // self.page_tokens:
+            num_loadable = self.connector.num_loadable_tokens(request)
+            if not 0 <= num_loadable < len(request.prompt):
+                self.allocator.free(shared)
+                raise ValueError(
+                    f"request {request.request_id!r}: the connector offers {num_loadable} "
+                    f"tokens of a {len(request.prompt)}-token prompt "
+                    f"(0..{len(request.prompt) - 1} allowed)"
+                )
+            if num_loadable > len(shared) * self.page_tokens:
+                self.allocator.free(shared)  # one load for the whole prefix
+                shared = []
+            else:
+                num_loadable = 0
+        pages = shared + self.allocator.allocate(self.num_pages_needed(request) - len(shared))
         generator = new_generator(request.sampling, self.model.device)
         request.output, request.finished, request.num_loaded_tokens = [], False, num_loadable
+        request.num_resident_tokens = len(shared) * self.page_tokens
+        if shared:
+            request.loaded_from = {"hbm": len(shared)}
         return Sequence(request, pages, admitted_at, generator)
+
+    def _exact_keys(self, request: Request, num_tokens: int) -> list[bytes]:
+        """Keys of the full pages of ``(prompt + output)[:num_tokens]`` when their KV is
+        what a prefill of those tokens gives (no reuse plan, no salt); else none."""
+        if not self.allocator.retain_pages or request.reuse or request.salt is not None:
+            return []
+        tokens = (request.prompt + request.output)[:num_tokens]
+        return block_keys(tokens, self._page_space)
+
+    def _publish(self, seq: Sequence, num_tokens: int) -> None:
+        """The full pages of the sequence's first ``num_tokens`` tokens become resident."""
+        keys = self._exact_keys(seq.request, num_tokens)
+        self.allocator.publish(seq.pages[: len(keys)], keys)
 
     def _prefill(self, seq: Sequence) -> None:
         request = seq.request
@@ -209,11 +251,18 @@ class Engine:
         request.output += sample(logits, [request.sampling], [seq.generator])
         request.ttft_s = time.perf_counter() - seq.admitted_at
         self.connector.save(request, seq.pages, len(request.prompt))
+        self._publish(seq, len(request.prompt))
 
     def _prefill_hidden(self, seq: Sequence) -> torch.Tensor:
         """Loads what the connector offered and computes the rest of the prompt: last-layer
         states of the computed tokens ``[num_computed_tokens, hidden]``."""
         request = seq.request
+        resident = request.num_resident_tokens
+        if resident:  # in shared pages: nothing to load, nothing to wait for
+            hidden = self._forward_prompt(seq, resident, loading=False)
+            assert hidden is not None  # only a load fails
+            request.num_computed_tokens = len(request.prompt) - resident
+            return hidden
         if request.num_loaded_tokens:
             self.connector.start_load(request, seq.pages, request.num_loaded_tokens)
         hidden = self._forward_prompt(seq, request.num_loaded_tokens)
@@ -224,12 +273,16 @@ class Engine:
         request.num_computed_tokens = len(request.prompt) - request.num_loaded_tokens
         return hidden
 
-    def _forward_prompt(self, seq: Sequence, start: int) -> torch.Tensor | None:
+    def _forward_prompt(
+        self, seq: Sequence, start: int, *, loading: bool = True
+    ) -> torch.Tensor | None:
         """Last-layer states of the prompt after its first ``start`` tokens (loaded by the
         connector, which may lower ``request.num_loaded_tokens`` when layer 0 is in: the
-        daemon gave only a leading part); None when a layer's load failed."""
+        daemon gave only a leading part; or, not ``loading``, in resident pages); None when
+        a layer's load failed."""
         request, model = seq.request, self.model
-        if start:
+        loading = loading and start > 0
+        if loading:
             if not self.connector.wait_for_layer_load(request, 0):
                 return None
             start = self._loaded_prefix(request, start)
@@ -237,7 +290,7 @@ class Engine:
         batch = prefill_batch(seq.pages, start, len(new_tokens), self.page_tokens, model.device)
         hidden = model.embed(torch.tensor(new_tokens, device=model.device))
         for layer in range(self.config.num_hidden_layers):
-            if start and layer and not self.connector.wait_for_layer_load(request, layer):
+            if loading and layer and not self.connector.wait_for_layer_load(request, layer):
                 return None
             hidden = model.run_layer(layer, hidden, batch, self.kv_pool)
         return hidden
@@ -277,6 +330,7 @@ class Engine:
             # The last sampled token was never fed back, so its KV is not in the pool.
             self.connector.save(request, seq.pages, seq.num_tokens - 1)
             self.connector.request_finished(request)
+            self._publish(seq, seq.num_tokens - 1)
             self.allocator.free(seq.pages)
 
     @torch.inference_mode()
@@ -302,6 +356,7 @@ class Engine:
             logits = self.model.compute_logits(self._prefill_hidden(seq))
             request.ttft_s = time.perf_counter() - seq.admitted_at
             self.connector.save(request, seq.pages, len(request.prompt))
+            self._publish(seq, len(request.prompt))
             request.finished = True
             self.connector.request_finished(request)
         finally:

@@ -89,8 +89,9 @@ class Request:
     # Results, filled by the engine:
     output: list[int] = field(default_factory=list)
     num_loaded_tokens: int = 0  # prompt tokens whose KV came from the store
+    num_resident_tokens: int = 0  # prompt tokens in pool pages kept from earlier (HBM)
     num_computed_tokens: int = 0  # prompt tokens prefilled by the model
-    loaded_from: dict[str, int] = field(default_factory=dict)  # tier -> blocks
+    loaded_from: dict[str, int] = field(default_factory=dict)  # level (hbm, host, ...) -> blocks
     ttft_s: float = 0.0  # admission to first token
     finished: bool = False
 

@@ -4,8 +4,14 @@ The pool itself (``[num_layers, 2, num_pages, page_tokens, num_kv_heads, head_di
 the slot arithmetic come from ``kvstore.kernels.paged``; this module holds the host side:
 
 - ``PageAllocator``: ``can_allocate(num_pages)`` then ``allocate(num_pages)`` hand out page
-  ids; ``free(pages)`` returns them. No sharing between sequences: prefix reuse is the
-  store's job, through the connector.
+  ids; ``free(pages)`` gives a holder's pages back. With ``retain_pages`` > 0 it is the
+  HBM level of the hierarchy: a full page whose KV is exact for a token prefix is
+  ``publish``-ed under that prefix's key (``page_keys``), stays in the pool when its last
+  holder frees it (up to ``retain_pages`` such idle pages, least recently used evicted
+  first), and ``share(keys)`` maps the leading resident pages of a new request into it
+  (a holder more, no copy). Full pages are never written again, so sharing needs no copy on
+  write; a partial page is always private. ``allocate`` takes free pages first, then evicts
+  idle ones.
 - ``pages_for(num_tokens, page_tokens)``: how many pages a run of tokens fills.
 - ``AttentionBatch``: the addressing of one forward step (positions, slots, lengths, block
   tables), built by ``prefill_batch`` (one sequence's new tokens after a cached prefix) or
@@ -14,7 +20,7 @@ the slot arithmetic come from ``kvstore.kernels.paged``; this module holds the h
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,49 +35,118 @@ def pages_for(num_tokens: int, page_tokens: int) -> int:
 
 
 class PageAllocator:
-    """Hands out the page ids ``0 .. num_pages - 1`` of one pool."""
+    """Hands out the page ids ``0 .. num_pages - 1`` of one pool, and keeps up to
+    ``retain_pages`` idle pages resident under their keys for ``share``."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, *, retain_pages: int = 0) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if not 0 <= retain_pages <= num_pages:
+            raise ValueError(f"retain_pages must be in 0..{num_pages}, got {retain_pages}")
         self.num_pages = num_pages
+        self.retain_pages = retain_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._used: set[int] = set()
+        self._holders: dict[int, int] = {}  # page -> holders; every page in use is here
+        self._key_of: dict[int, bytes] = {}  # resident pages (held or idle) -> key
+        self._page_of: dict[bytes, int] = {}  # key -> its resident page
+        self._idle: OrderedDict[int, None] = OrderedDict()  # resident, no holder; LRU first
+        self.shared_pages = 0  # pages handed out by share (HBM hits)
+        self.evicted_pages = 0  # idle resident pages given up (room, or over retain_pages)
 
     @property
     def num_free_pages(self) -> int:
-        """Pages not held by any sequence."""
-        return len(self._free)
+        """Pages no sequence holds: free ones and idle resident ones (evicted on demand)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_resident_pages(self) -> int:
+        """Pages under a key, held or idle."""
+        return len(self._key_of)
 
     def can_allocate(self, num_pages: int) -> bool:
         """Whether ``allocate(num_pages)`` would succeed now."""
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free_pages
 
     def allocate(self, num_pages: int) -> list[int]:
-        """Take ``num_pages`` free pages.
+        """Take ``num_pages`` pages for one holder: free ones, then the least recently used
+        idle resident ones (their keys are forgotten).
 
         Raises:
-            ValueError: Fewer than ``num_pages`` are free.
+            ValueError: Fewer than ``num_pages`` are free or idle.
         """
         if not self.can_allocate(num_pages):
             raise ValueError(
-                f"{num_pages} pages asked for, {len(self._free)} of {self.num_pages} are free"
+                f"{num_pages} pages asked for, {self.num_free_pages} of {self.num_pages} are free"
             )
+        while len(self._free) < num_pages:
+            self._evict_idle()
         pages = [self._free.popleft() for _ in range(num_pages)]
-        self._used.update(pages)
+        for page in pages:
+            self._holders[page] = 1
         return pages
 
+    def share(self, keys: Sequence[bytes]) -> list[int]:
+        """The resident pages of the leading ``keys``, each with one holder more (stopping
+        at the first key not resident)."""
+        pages = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            self._idle.pop(page, None)
+            self._holders[page] = self._holders.get(page, 0) + 1
+            pages.append(page)
+        self.shared_pages += len(pages)
+        return pages
+
+    def publish(self, pages: Sequence[int], keys: Sequence[bytes]) -> int:
+        """Make held, full ``pages`` resident under ``keys`` (pairwise: page ``i`` holds
+        exactly the KV of the prefix ``keys[i]`` names). A page already resident, or a key
+        another page holds, is left as it is. Returns the pages newly resident."""
+        if not self.retain_pages:
+            return 0
+        published = 0
+        for page, key in zip(pages, keys, strict=False):
+            if page not in self._holders:
+                raise ValueError(f"page {page} is not held: only a holder publishes")
+            if page in self._key_of or key in self._page_of:
+                continue
+            self._key_of[page], self._page_of[key] = key, page
+            published += 1
+        return published
+
     def free(self, pages: Sequence[int]) -> None:
-        """Return pages taken by ``allocate``.
+        """One holder gives ``pages`` back: a page without holders becomes idle when it is
+        resident (the least recently used idle pages past ``retain_pages`` are evicted),
+        else free.
 
         Raises:
-            ValueError: A page is not currently allocated.
+            ValueError: A page is not currently held.
         """
-        unknown = [page for page in pages if page not in self._used]
+        unknown = [page for page in pages if page not in self._holders]
         if unknown:
             raise ValueError(f"pages {unknown} are not allocated")
-        self._used.difference_update(pages)
-        self._free.extend(pages)
+        for page in pages:
+            self._holders[page] -= 1
+            if self._holders[page]:
+                continue
+            del self._holders[page]
+            if page in self._key_of:
+                self._idle[page] = None
+            else:
+                self._free.append(page)
+        while len(self._idle) > self.retain_pages:
+            self._evict_idle()
+
+    def holders(self, page: int) -> int:
+        """How many sequences hold ``page`` now (0: free or idle)."""
+        return self._holders.get(page, 0)
+
+    def _evict_idle(self) -> None:
+        page, _ = self._idle.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)]
+        self._free.append(page)
+        self.evicted_pages += 1
 
 
 @dataclass(frozen=True, slots=True)

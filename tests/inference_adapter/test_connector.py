@@ -80,10 +80,13 @@ def store_engine(
     tenant: str,
     block_tokens: int = PAGE,
     max_batch: int = 8,
+    retain_pages: int = 0,
     **options: Any,
 ) -> tuple[Engine, StoreConnector]:
     """An engine with a store connector in its own tenant (tests share one daemon)."""
-    engine = Engine(model, num_pages=64, page_tokens=PAGE, max_batch=max_batch)
+    engine = Engine(
+        model, num_pages=64, page_tokens=PAGE, max_batch=max_batch, retain_pages=retain_pages
+    )
     namespace = namespace_for(
         engine.config,
         model_name="tiny",
@@ -232,6 +235,35 @@ def test_a_prefix_hit_puts_back_the_bits_the_engine_computed(
         stored.permute(1, 2, 0, 3, 4, 5).view(torch.uint8), computed.view(torch.uint8)
     )
     assert second.output == first.output
+    connector.close()
+
+
+def test_the_pool_keeps_the_latest_sessions_and_older_ones_load_from_the_host_tier(
+    models: TinyModels, client: KVStoreClient
+) -> None:
+    """The HBM level over the store: 4 idle pages are retained, three sessions of 3 full
+    pages each end their first turn. The last one's second turn maps its pages (it looks up
+    only the blocks past them, and loads nothing); the first two were evicted from the pool
+    (least recently used), so theirs load from the host tier. Every answer is recompute's."""
+    engine, connector = store_engine(models.engine, client, "hbm", retain_pages=4)
+    first = [torch.randint(0, 192, (50,), generator=torch.Generator().manual_seed(70 + n))
+             for n in range(3)]  # fmt: skip
+    history = []
+    for n, opening in enumerate(first):
+        request = Request(f"s{n}t1", opening.tolist(), SAMPLING)
+        engine.generate([request])
+        assert connector.wait_for_saves(10.0)
+        history.append(request.prompt + request.output)
+    assert engine.allocator.num_resident_pages == 4 and engine.allocator.evicted_pages == 5
+    turns = [Request(f"s{n}t2", history[n] + MESSAGES[3], SAMPLING) for n in (2, 0, 1)]
+    engine.generate(turns[:1])
+    assert turns[0].loaded_from == {"hbm": 3} and turns[0].num_loaded_tokens == 0
+    assert connector.stats().loaded_blocks == 0
+    engine.generate(turns[1:])
+    assert [turn.loaded_from for turn in turns[1:]] == [{"host": 3}] * 2
+    assert [turn.num_resident_tokens for turn in turns] == [48, 0, 0]
+    for turn in turns:
+        assert turn.output == recompute(models.engine, turn.prompt).output
     connector.close()
 
 

@@ -44,6 +44,21 @@ def test_the_random_model_chat_loads_history_and_answers_like_recompute(
     check_turns(capsys.readouterr().out, 3, 32)
 
 
+def test_with_hbm_pages_later_turns_map_the_history_kept_in_the_pool(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = [*TINY, "--script", "--turns", "3", "--page-tokens", "32", "--max-tokens", "4"]
+    assert main([*args, "--hbm-pages", "64"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if re.search(r"turn \d+:", line)]
+    assert len(lines) == 3 and all("same reply" in line for line in lines), out
+    for line in lines[1:]:  # the history is in the pool: nothing loaded from the store
+        hbm = re.search(r"loaded (\d+) \(hbm (\d+) blocks\)", line)
+        assert hbm and int(hbm[1]) == int(hbm[2]) * 32 > 0, line
+    assert re.search(r"prompt tokens by level: hbm \d+ \(\d+%\), computed", out), out
+    assert "store: 0 blocks loaded" in out
+
+
 def test_smollm2_chat_streams_real_replies_and_reuses_history(
     smollm2_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,7 @@ so a cached-prefix run attends over KV computed by an earlier run.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -311,3 +312,104 @@ def test_engine_exposes_what_a_connector_needs(model: LlamaModel) -> None:
     assert engine.kv_pool.shape == shape and engine.kv_pool.dtype == model.dtype
     assert engine.rope_tables.max_positions == config.max_position_embeddings
     assert engine.rope_tables is model.rope_tables
+
+
+# The pool as the HBM level (retain_pages) ------------------------------------------------
+
+
+def chat_prompts(rng: random.Random, system: list[int], turns: int) -> list[list[int]]:
+    """A user's new tokens per turn; the first turn starts with ``system``."""
+    return [
+        (system if turn == 0 else []) + [rng.randrange(192) for _ in range(rng.randint(3, 20))]
+        for turn in range(turns)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_resident_history_is_mapped_not_loaded_and_answers_like_recompute(
+    dtype: torch.dtype,
+) -> None:
+    model = LlamaModel.from_config(LlamaConfig.from_dict(tiny_config()), seed=0, dtype=dtype)
+    engine = Engine(model, num_pages=32, page_tokens=PAGE_TOKENS, retain_pages=32)
+    store = PrefixStore(engine)
+    engine.connector = store
+    recompute = Engine(model, num_pages=32, page_tokens=PAGE_TOKENS)
+    history: list[int] = []
+    for turn, new in enumerate(chat_prompts(random.Random(1), random_prompt(30, 2), 4)):
+        prompt = history + new
+        request, alone = greedy(f"t{turn}", prompt), greedy(f"r{turn}", prompt)
+        engine.generate([request])
+        recompute.generate([alone])
+        assert request.output == alone.output, turn
+        if turn:
+            with_kv = len(history) - 1  # the last answer token was never fed back
+            assert request.loaded_from == {"hbm": with_kv // PAGE_TOKENS}
+            assert request.num_loaded_tokens == 0  # nothing from the store
+            assert request.num_resident_tokens == with_kv // PAGE_TOKENS * PAGE_TOKENS
+            assert request.num_computed_tokens == len(prompt) - request.num_resident_tokens
+        history = prompt + request.output
+    assert "wait" not in {what for what, _, _ in store.events}  # the store never loaded
+    assert engine.allocator.shared_pages > 0
+
+
+def test_concurrent_sessions_with_one_system_prompt_hold_one_copy_of_its_pages(
+    model: LlamaModel,
+) -> None:
+    engine = Engine(model, num_pages=32, page_tokens=PAGE_TOKENS, retain_pages=16)
+    system = random_prompt(35, seed=3)  # 4 full pages
+    engine.generate([greedy("first", system + random_prompt(6, seed=4), 6)])  # stays resident
+    users = [greedy(f"u{n}", system + random_prompt(5 + n, seed=10 + n), 6) for n in range(3)]
+    held: list[int] = []
+
+    def count(request: Request, token: int) -> None:
+        if request is users[-1] and len(request.output) == 1:  # all three are running
+            held.append(engine.allocator.num_pages - engine.allocator.num_free_pages)
+
+    engine.generate(users, on_token=count)
+    system_pages = len(system) // PAGE_TOKENS
+    own = sum(engine.num_pages_needed(user) - system_pages for user in users)
+    assert held == [system_pages + own]  # one copy of the system prompt's pages, not three
+    for user in users:
+        assert user.loaded_from == {"hbm": system_pages}
+        alone = greedy("alone", user.prompt, 6)
+        Engine(model, num_pages=32, page_tokens=PAGE_TOKENS).generate([alone])
+        assert user.output == alone.output
+
+
+def test_a_small_pool_under_many_sessions_evicts_and_never_reads_a_reused_page(
+    model: LlamaModel,
+) -> None:
+    """24 pages, 3 at a time, 8 sessions of 4 turns over 2 system prompts, turns in random
+    order: resident pages are evicted and reused all the time. Every reply equals a
+    recompute's, and every prompt's logits over its mapped pages equal a full prefill's."""
+    rng = random.Random(5)
+    engine = Engine(model, num_pages=24, page_tokens=PAGE_TOKENS, max_batch=3, retain_pages=16)
+    recompute = Engine(model, num_pages=24, page_tokens=PAGE_TOKENS)
+    systems = [random_prompt(19, seed=20), random_prompt(27, seed=21)]
+    sessions = [chat_prompts(rng, systems[n % 2], 4) for n in range(8)]
+    histories: list[list[int]] = [[] for _ in sessions]
+    turn_of = [0] * len(sessions)
+    hits = 0
+    while any(turn < 4 for turn in turn_of):
+        ready = [n for n, turn in enumerate(turn_of) if turn < 4]
+        batch = rng.sample(ready, min(len(ready), rng.randint(1, 4)))
+        requests = []
+        for n in batch:
+            prompt = histories[n] + sessions[n][turn_of[n]]
+            requests.append(greedy(f"s{n}t{turn_of[n]}", prompt, max_tokens=rng.randint(1, 6)))
+        engine.generate(requests)
+        for n, request in zip(batch, requests, strict=True):
+            alone = greedy("alone", request.prompt, request.sampling.max_tokens)
+            recompute.generate([alone])
+            assert request.output == alone.output, request.request_id
+            hits += request.loaded_from.get("hbm", 0)
+            histories[n] = request.prompt + request.output
+            turn_of[n] += 1
+        if rng.random() < 0.3:  # a scored prompt: logits over what it mapped
+            n = rng.randrange(len(sessions))
+            probe = greedy("probe", histories[n] + [1, 2, 3], 1)
+            logits = engine.score(probe)
+            full = recompute.prefill_logits(probe.prompt)[probe.num_resident_tokens :]
+            torch.testing.assert_close(logits, full, atol=1e-4, rtol=0)
+    assert hits > 50 and engine.allocator.evicted_pages > 20
+    assert engine.allocator.num_free_pages == 24  # nothing held after the last turn
