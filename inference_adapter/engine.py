@@ -221,7 +221,8 @@ class Engine:
             if num_loadable > len(shared) * self.page_tokens:
                 self.allocator.free(shared)  # one load for the whole prefix
                 shared = []
-            else:
+            elif num_loadable:  # the pool holds all of it: the lease taken for it goes now
+                self.connector.start_load(request, shared, 0)
                 num_loadable = 0
         pages = shared + self.allocator.allocate(self.num_pages_needed(request) - len(shared))
         generator = new_generator(request.sampling, self.model.device)

@@ -239,12 +239,22 @@ def test_a_prefix_hit_puts_back_the_bits_the_engine_computed(
 
 
 def test_the_pool_keeps_the_latest_sessions_and_older_ones_load_from_the_host_tier(
-    models: TinyModels, client: KVStoreClient
+    models: TinyModels, tmp_path: Path
 ) -> None:
     """The HBM level over the store: 4 idle pages are retained, three sessions of 3 full
     pages each end their first turn. The last one's second turn maps its pages (it looks up
-    only the blocks past them, and loads nothing); the first two were evicted from the pool
-    (least recently used), so theirs load from the host tier. Every answer is recompute's."""
+    only the blocks past them, loads nothing, and lets go at once of the lease its lookup
+    took: a 2-minute lease would otherwise outlive the wait); the first two were evicted
+    from the pool (least recently used), so theirs load from the host tier. Every answer is
+    recompute's."""
+    with (
+        running_daemon(tmp_path, settings={"server": {"lease_ttl": "120s"}}) as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=5.0) as client,
+    ):
+        check_the_pool_keeps_the_latest_sessions(models, client)
+
+
+def check_the_pool_keeps_the_latest_sessions(models: TinyModels, client: KVStoreClient) -> None:
     engine, connector = store_engine(models.engine, client, "hbm", retain_pages=4)
     first = [torch.randint(0, 192, (50,), generator=torch.Generator().manual_seed(70 + n))
              for n in range(3)]  # fmt: skip
@@ -256,7 +266,12 @@ def test_the_pool_keeps_the_latest_sessions_and_older_ones_load_from_the_host_ti
         history.append(request.prompt + request.output)
     assert engine.allocator.num_resident_pages == 4 and engine.allocator.evicted_pages == 5
     turns = [Request(f"s{n}t2", history[n] + MESSAGES[3], SAMPLING) for n in (2, 0, 1)]
-    engine.generate(turns[:1])
+
+    def leases_let_go(request: Request, token: int) -> None:
+        if len(request.output) == 1:  # the lookup leased the 3 blocks the pool holds
+            wait_for(lambda: client.stats().active_leases == 0)
+
+    engine.generate(turns[:1], on_token=leases_let_go)
     assert turns[0].loaded_from == {"hbm": 3} and turns[0].num_loaded_tokens == 0
     assert connector.stats().loaded_blocks == 0
     engine.generate(turns[1:])
