@@ -20,7 +20,10 @@ Names follow Prometheus' conventions (``_bytes``, ``_seconds``, counters ``_tota
 - per gRPC method (:class:`RpcMetrics`): ``kvstore_rpc_duration_seconds`` (histogram) and
   ``kvstore_rpcs_total`` by status code;
 - ``kvstore_event_loop_lag_seconds`` (:class:`LoopLag`, a histogram): how late a task that
-  sleeps ``LAG_INTERVAL_S`` at a time wakes, i.e. how long the loop was held by other work;
+  sleeps ``LAG_INTERVAL_S`` at a time wakes, i.e. how long the loop was held by other work
+  or waited for a core; ``kvstore_event_loop_held_seconds`` (a histogram), the same less the
+  loop thread's wait for a core, and ``kvstore_event_loop_cpu_wait_seconds_total`` that wait
+  (Linux only);
 - ``kvstore_blocks``, ``kvstore_leases_active``, ``kvstore_reservations_active``,
   ``kvstore_prefetches_in_flight``, ``kvstore_uptime_seconds``, ``kvstore_build_info``
   (label ``version``).
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -191,20 +195,78 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 class LoopLag:
     """The event loop's lag into ``kvstore_event_loop_lag_seconds`` of ``registry``:
     :meth:`run` sleeps ``interval`` seconds at a time and records how much later than asked
-    it woke (never below 0), which is how long other work held the loop past that moment."""
+    it woke (never below 0), which is how long other work held the loop past that moment,
+    or how long the loop's thread waited for a core.
+
+    Where Linux says how long a thread waited, runnable, for a core
+    (``/proc/thread-self/schedstat``), the loop's share is split out:
+    ``kvstore_event_loop_cpu_wait_seconds_total`` counts the loop thread's wait for a core,
+    and ``kvstore_event_loop_held_seconds`` records each lag less the core wait over the
+    same span (never below 0): the part the daemon's own work held the loop (callbacks, the
+    GIL), whatever the machine's other processes do."""
 
     def __init__(self, registry: CollectorRegistry, interval: float = LAG_INTERVAL_S) -> None:
         self.interval = interval
         self._lag = Histogram("kvstore_event_loop_lag_seconds",
                               "How late a timer on the event loop ran", buckets=LAG_BUCKETS,
                               registry=registry)  # fmt: skip
+        self._held = Histogram("kvstore_event_loop_held_seconds",
+                               "How late a timer on the event loop ran, less the loop "
+                               "thread's wait for a core", buckets=LAG_BUCKETS,
+                               registry=registry)  # fmt: skip
+        self._cpu_wait = Counter("kvstore_event_loop_cpu_wait_seconds",
+                                 "Time the event loop's thread was runnable but had no core",
+                                 registry=registry)  # fmt: skip
 
     async def run(self) -> None:
-        """Measures until cancelled."""
-        while True:
-            due = time.perf_counter() + self.interval
-            await asyncio.sleep(self.interval)
-            self._lag.observe(max(0.0, time.perf_counter() - due))
+        """Measures until cancelled (on the loop's thread: the core wait read is its own)."""
+        schedstat = CoreWait.open()
+        try:
+            waited = schedstat.seconds() if schedstat else 0.0
+            while True:
+                due = time.perf_counter() + self.interval
+                await asyncio.sleep(self.interval)
+                lag = max(0.0, time.perf_counter() - due)
+                self._lag.observe(lag)
+                if schedstat:
+                    now = schedstat.seconds()
+                    self._cpu_wait.inc(now - waited)
+                    self._held.observe(max(0.0, lag - (now - waited)))
+                    waited = now
+        finally:
+            if schedstat:
+                schedstat.close()
+
+
+class CoreWait:
+    """The calling thread's total wait for a core, from ``/proc/thread-self/schedstat``
+    (its second field, nanoseconds spent runnable on a run queue)."""
+
+    PATH = "/proc/thread-self/schedstat"
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    @classmethod
+    def open(cls) -> CoreWait | None:
+        """The calling thread's counter, or None where the kernel does not keep it."""
+        try:
+            fd = os.open(cls.PATH, os.O_RDONLY)
+        except OSError:
+            return None
+        wait = cls(fd)
+        try:
+            wait.seconds()
+        except (OSError, ValueError, IndexError):
+            wait.close()
+            return None
+        return wait
+
+    def seconds(self) -> float:
+        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def serve_metrics(

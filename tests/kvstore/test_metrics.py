@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import os
 import time
 
+import pytest
 from prometheus_client.registry import CollectorRegistry
 
 from kvstore.client.wire import Stats
 from kvstore.index import BlockMeta
-from kvstore.metrics import LAG_BUCKETS, LoopLag, StatsCollector
+from kvstore.metrics import LAG_BUCKETS, CoreWait, LoopLag, StatsCollector
 from kvstore.policies import eviction_policy, write_policy
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.service import ServiceStats
@@ -22,6 +25,7 @@ from kvstore.wire.results import COUNTERS, StoreStats
 from tests.support.waiting import until
 
 LAG = "kvstore_event_loop_lag_seconds"
+HELD = "kvstore_event_loop_held_seconds"
 LAYOUT = BlockLayout(num_layers=1, num_kv_heads=1, block_tokens=16, head_dim=64, dtype="float16")
 
 
@@ -78,3 +82,55 @@ async def test_a_blocked_loop_shows_as_one_lag_as_long_as_the_block() -> None:
     await asyncio.gather(task, return_exceptions=True)
     assert value("_sum") - total >= block - monitor.interval
     assert value("_count") - value("_bucket", le=str(big)) >= idle + 1  # one that large
+    if counts_core_wait():  # a sleeping thread waits for no core: held as lag
+        held = registry.get_sample_value(HELD + "_sum") or 0.0
+        assert held >= block - monitor.interval
+
+
+def lag_beside_hogs(seconds: float) -> dict[str, float]:
+    """In a process of its own pinned to one core with two busy processes pinned beside
+    it, the monitor runs ``seconds``; returns its lag and held sums and the core wait."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    hogs = [multiprocessing.get_context("fork").Process(target=spin, daemon=True) for _ in "ab"]
+    for hog in hogs:
+        hog.start()  # forked: pinned to the same core
+    registry = CollectorRegistry(auto_describe=False)
+
+    async def measure() -> None:
+        task = asyncio.create_task(LoopLag(registry, interval=0.01).run())
+        await asyncio.sleep(seconds)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(measure())
+    finally:
+        for hog in hogs:
+            hog.kill()
+    names = (LAG + "_sum", HELD + "_sum", "kvstore_event_loop_cpu_wait_seconds_total")
+    return {name: registry.get_sample_value(name) or 0.0 for name in names}
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
+def counts_core_wait() -> bool:
+    wait = CoreWait.open()
+    if wait is not None:
+        wait.close()
+    return wait is not None
+
+
+@pytest.mark.skipif(not counts_core_wait(), reason="the kernel keeps no schedstat")
+def test_a_loop_waiting_for_a_core_counts_the_wait_apart_from_what_held_it() -> None:
+    """Two busy processes on the loop's only core make its timer late although nothing on
+    the loop holds it: the wait is counted, and the held histogram is spared it."""
+    with concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        sums = pool.submit(lag_beside_hogs, 1.0).result(timeout=120)
+    waited = sums["kvstore_event_loop_cpu_wait_seconds_total"]
+    assert waited > 0
+    assert sums[HELD + "_sum"] < sums[LAG + "_sum"]
