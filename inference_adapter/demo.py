@@ -45,6 +45,7 @@ from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.gguf import load_gguf_model
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
+from kvstore.inference_adapter.levels import by_level
 from kvstore.inference_adapter.model import LlamaModel
 from kvstore.inference_adapter.models import SMOLLM2, model_path
 from kvstore.inference_adapter.sessions import ByteTokenizer, ChatServer, Turn
@@ -192,11 +193,7 @@ def run_chat(args: argparse.Namespace) -> int:
                 for level, blocks in turn.request.loaded_from.items():
                     levels[level] += blocks * args.page_tokens
                 levels["computed"] += turn.request.num_computed_tokens
-            total = sum(levels.values()) or 1
-            print("prompt tokens by level: " + ", ".join(
-                f"{level} {levels[level]} ({levels[level] / total:.0%})"
-                for level in ("hbm", "host", "ssd", "redis", "computed") if levels[level]
-            ))  # fmt: skip
+            print(by_level(levels, computed=levels.pop("computed", 0)))
             stats = connector.stats()
             print(
                 f"store: {stats.loaded_blocks} blocks loaded, {stats.saves.stored} saved, "

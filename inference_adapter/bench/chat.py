@@ -4,7 +4,7 @@
                        [--workloads sharegpt,multi_round_qa,long_document]
                        [--dataset synthetic|sharegpt]
                        [--sweep | --no-sweep] [--no-plots] [--dir DIR] [--seed N]
-                       [--nodes 1|2] [--shared-redis server|cluster|none]
+                       [--nodes 1|2] [--shared-redis server|cluster|none] [--no-hbm]
 
 Builds a random model and the workloads of the preset, starts a daemon per store
 configuration, replays every workload in recompute and kvstore mode (turn by turn, in the
@@ -21,6 +21,12 @@ none as the control), two engines, every turn of a session on the other node tha
 before it; and one node on the same tiers. Their tokens are checked against recompute too;
 the tables show hit rates by tier and TTFT per session turn. It is off by default: it adds
 two kvstore replays per workload. Exits 2 when the Redis it needs is not installed.
+
+The HBM level (on unless ``--no-hbm``): the workload with the most sessions runs again on
+its main setup, on an engine whose page pool keeps finished requests' pages resident
+(``retain_pages``) for none, the largest one, or every one of its sessions; a table gives the
+share of prompt tokens served by each level (hbm, host, SSD, Redis) and computed, and the
+TTFT against recompute. Tokens are checked against recompute here too.
 
 ``--dataset sharegpt`` replays real ShareGPT V3 conversations (:mod:`.sharegpt`, fetched by
 ``kvstore dataset fetch``) in place of the synthetic ShareGPT shape, tokenized by
@@ -61,6 +67,7 @@ from kvstore.inference_adapter.bench.presets import (
     GridPoint,
     Preset,
     grid_setups,
+    hbm_pools,
     main_setup,
     tier_setups,
     unique_kv_bytes,
@@ -70,12 +77,13 @@ from kvstore.inference_adapter.bench.report import (
     Grid,
     as_json,
     goals,
+    hbm_json,
     markdown,
     nodes_json,
     record_json,
     summarize,
 )
-from kvstore.inference_adapter.bench.runner import ChatBench, ModeRun, progress
+from kvstore.inference_adapter.bench.runner import RECOMPUTE, ChatBench, ModeRun, PoolRun, progress
 from kvstore.inference_adapter.bench.sharegpt import (
     DATA_FILE,
     Tokenizer,
@@ -174,6 +182,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "SmolLM2's tokenizer; run `kvstore dataset fetch` first)")  # fmt: skip
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction,
                         help="tier sweep and policy comparison (default: per preset)")  # fmt: skip
+    parser.add_argument("--hbm", action=argparse.BooleanOptionalAction, default=True,
+                        help="the HBM level: the workload with the most sessions again with "
+                        "the engine's pool keeping none, one or all of them resident")  # fmt: skip
     parser.add_argument("--no-plots", dest="plots", action="store_false")
     parser.add_argument("--dir", type=Path, help="parent of the SSD tier's scratch directory "
                         "(default: the user cache dir)")  # fmt: skip
@@ -231,6 +242,7 @@ class _Runs:
     grid: list[GridPoint] = field(default_factory=list)  # the sweep's points (real data)
     working_set_bytes: int = 0  # of the swept sharegpt workload
     nodes: list[NodesComparison] = field(default_factory=list)  # --nodes 2, per workload
+    pools: list[PoolRun] = field(default_factory=list)  # --hbm: one workload, by pool size
 
 
 def _run_all(
@@ -256,10 +268,24 @@ def _run_all(
                 runs.working_set_bytes = unique_kv_bytes(workload, preset)
                 for setup in _sweep_setups(args, workload, preset, runs.grid):
                     runs.sweep.append(bench.kvstore_only(workload, setup, recompute))
+        if args.hbm:
+            _run_pools(bench, preset, runs)
     except BenchmarkError as error:
         print(f"kvstore bench chat: FAILED: {error}", file=sys.stderr)
         return None
     return runs
+
+
+def _run_pools(bench: ChatBench, preset: Preset, runs: _Runs) -> None:
+    """The workload with the most sessions on its main setup, with the engine's pool
+    keeping none, one or every session's pages resident, each checked against recompute."""
+    workload = max(runs.workloads, key=lambda w: w.num_sessions)
+    recompute = next(r for r in runs.main if r.workload == workload.name and r.mode == RECOMPUTE)
+    setup = main_setup(workload, preset)
+    for keeps, pages in hbm_pools(workload, preset):
+        progress(f"{workload.name}: the engine's pool keeps {keeps} ({pages} pages)")
+        run = bench.kvstore_only(workload, setup, recompute, retain_pages=pages)
+        runs.pools.append(PoolRun(keeps, pages, run))
 
 
 def _sweep_setups(
@@ -332,7 +358,7 @@ def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None
     if sweep and main_sharegpt is not None:
         sweep.append(main_sharegpt)
     found = goals(modes, main_sharegpt)
-    text = markdown(about, modes, sweep, found, grid, runs.nodes)
+    text = markdown(about, modes, sweep, found, grid, runs.nodes, runs.pools)
     print(text)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -347,6 +373,7 @@ def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None
             {"what": g.what, "value": g.value, "target": g.target, "met": g.verdict} for g in found
         ],
         "nodes": [nodes_json(c) for c in runs.nodes],
+        "hbm": hbm_json(runs.pools),
         "turns": [
             {
                 "workload": run.workload,
@@ -354,7 +381,12 @@ def _write(args: argparse.Namespace, about: dict[str, str], runs: _Runs) -> None
                 "label": run.label,
                 "records": [record_json(r) for r in run.records],
             }
-            for run in [*main_runs, *sweep_runs, *(c.single for c in runs.nodes)]
+            for run in [
+                *main_runs,
+                *sweep_runs,
+                *(c.single for c in runs.nodes),
+                *(p.run for p in runs.pools),
+            ]
         ]
         + [_nodes_turns(c) for c in runs.nodes],
     }

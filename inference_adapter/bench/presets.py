@@ -174,6 +174,20 @@ def unique_kv_bytes(workload: Workload, preset: Preset) -> int:
     return blocks * preset.model.block_tokens * preset.model.kv_bytes_per_token()
 
 
+def hbm_pools(workload: Workload, preset: Preset) -> list[tuple[str, int]]:
+    """The HBM level's sizes for ``workload``: (what it keeps, retained pages) with none,
+    the largest session's final context, and every session's (the whole working set)."""
+    pages = [
+        n // preset.model.block_tokens for n in workload.final_lengths(preset.generated).values()
+    ]
+    sessions = len(pages)
+    return [
+        ("none", 0),
+        ("1 session", max(pages, default=0)),
+        (f"all {sessions} sessions", sum(pages)),
+    ]
+
+
 def _lookahead(workload: Workload, preset: Preset, host_bytes: int) -> int:
     """Queued sessions whose KV fits the host tier (CachedAttention's ``C_mem / S_kv``)."""
     per_session = unique_kv_bytes(workload, preset) / max(workload.num_sessions, 1)

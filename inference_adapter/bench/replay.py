@@ -58,8 +58,8 @@ class TurnRecord:
     history_tokens: int  # context before the turn
     prompt_tokens: int
     reusable_tokens: int  # prompt tokens an unbounded store would have loaded
-    loaded_tokens: int
-    tier_tokens: dict[str, int]  # tier -> loaded tokens found there at lookup
+    loaded_tokens: int  # not computed: loaded from the store or resident in the pool (HBM)
+    tier_tokens: dict[str, int]  # level (hbm, host, ssd, redis) -> tokens found there
     ttft_s: float
     decode_s: float  # the turn's time after its first token
     decode_tokens: int  # tokens generated after the first
@@ -208,7 +208,7 @@ class Replayer:
             history_tokens=history,
             prompt_tokens=len(request.prompt),
             reusable_tokens=reusable,
-            loaded_tokens=request.num_loaded_tokens,
+            loaded_tokens=request.num_loaded_tokens + request.num_resident_tokens,
             tier_tokens={tier: n * block_tokens for tier, n in request.loaded_from.items()},
             ttft_s=request.ttft_s,
             decode_s=max(wall_s - request.ttft_s, 0.0),

@@ -35,7 +35,8 @@ import numpy
 from kvstore.inference_adapter.bench.nodes import NODE_NAMES, SHARED, NodesComparison
 from kvstore.inference_adapter.bench.presets import GridPoint
 from kvstore.inference_adapter.bench.replay import TurnRecord
-from kvstore.inference_adapter.bench.runner import RECOMPUTE, ModeRun, StoreReport
+from kvstore.inference_adapter.bench.runner import RECOMPUTE, ModeRun, PoolRun, StoreReport
+from kvstore.inference_adapter.levels import LEVELS
 
 __all__ = ["Goal", "Grid", "Summary", "goals", "markdown", "nodes_json", "summarize"]
 
@@ -43,6 +44,7 @@ LONG_HISTORY = 2048
 TTFT_GOAL = 0.2
 HIT_RATE_GOAL = 0.85
 TIERS = ("host", "ssd", "redis")
+
 MIB = 1 << 20
 
 
@@ -138,7 +140,7 @@ def summarize(run: ModeRun) -> Summary:
     records = [record for record in run.records if not record.warmup]
     ttft = [r.ttft_s * 1e3 for r in records]
     long = [r.ttft_s * 1e3 for r in long_turns(records)]
-    tiers = {tier: sum(r.tier_tokens.get(tier, 0) for r in records) for tier in TIERS}
+    tiers = {tier: sum(r.tier_tokens.get(tier, 0) for r in records) for tier in LEVELS}
     store, reusable = run.store, sum(r.reusable_tokens for r in records)
     loaded, prompt = sum(r.loaded_tokens for r in records), sum(r.prompt_tokens for r in records)
     decode_s = sum(r.decode_s for r in records)
@@ -479,6 +481,30 @@ def nodes_json(c: NodesComparison) -> dict[str, object]:
     }
 
 
+def hbm_rows(pools: Sequence[PoolRun], recompute: Summary | None) -> list[str]:
+    """The HBM level: per pool size, where the prompt tokens came from (shares of all
+    prompt tokens, summing to 100% with the computed ones) and the TTFT."""
+    header = ("HBM pool keeps", "pages", "hit rate", "hbm", "host", "SSD", "Redis", "computed",
+              "TTFT p50 ms", "p90 ms", "TTFT p50 / recompute")  # fmt: skip
+    rows = []
+    for pool in pools:
+        s = summarize(pool.run)
+        prompt = max(s.prompt_tokens, 1)
+        ratio = s.ttft_ms[0] / recompute.ttft_ms[0] if recompute else None
+        rows.append((pool.keeps, str(pool.retain_pages), _pct(s.hit_rate),
+                     *(_pct(s.tier_tokens[level] / prompt) for level in LEVELS),
+                     _pct(1 - s.loaded_tokens / prompt), _ms(s.ttft_ms[0]), _ms(s.ttft_ms[1]),
+                     _ratio(ratio)))  # fmt: skip
+    return table(header, rows)
+
+
+def hbm_json(pools: Sequence[PoolRun]) -> list[dict[str, object]]:
+    return [
+        {"keeps": pool.keeps, "retain_pages": pool.retain_pages, **as_json(summarize(pool.run))}
+        for pool in pools
+    ]
+
+
 def markdown(
     about: dict[str, str],
     modes: Sequence[Summary],
@@ -486,6 +512,7 @@ def markdown(
     found: Sequence[Goal],
     grid: Grid | None = None,
     nodes: Sequence[NodesComparison] = (),
+    pools: Sequence[PoolRun] = (),
 ) -> str:
     """Every table of a run, with the machine and model lines first."""
     recompute = {s.workload: s for s in modes if s.mode == "recompute"}
@@ -504,6 +531,11 @@ def markdown(
         lines += ["", nodes_title(nodes), "", *nodes_rows(nodes)]
         lines += ["", "Two nodes, per session turn N (measured turns):", ""]
         lines += node_turn_rows(nodes)
+    if pools:
+        workload = pools[0].run.workload
+        lines += ["", f"The HBM level ({workload}): the engine's pool keeps finished requests' "
+                  "pages resident; prompt tokens by level:", ""]  # fmt: skip
+        lines += hbm_rows(pools, recompute.get(workload))
     lines += ["", "Where the kvstore TTFT goes (engine thread, p50 of each part):", ""]
     lines += profile_rows([s for s in [*modes, *sweep] if s.mode != "recompute"])
     lines += ["", "Goals:", "", *goal_rows(found)]

@@ -81,6 +81,15 @@ class ModeRun:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolRun:
+    """The kvstore mode with the engine's pool keeping ``retain_pages`` pages resident."""
+
+    keeps: str  # "none", "1 session", "all 8 sessions"
+    retain_pages: int
+    run: ModeRun
+
+
+@dataclass(frozen=True, slots=True)
 class NodesRun:
     """The kvstore mode on several nodes: every turn's record in arrival order, the node
     that ran it, and each node's store."""
@@ -144,11 +153,17 @@ class ChatBench:
         reference: ModeRun,
         *,
         redis_url: str | None = None,
+        retain_pages: int = 0,
     ) -> ModeRun:
         """The kvstore mode alone on ``setup`` (its Redis tier on ``redis_url`` when given),
-        checked against ``reference``'s tokens."""
-        with self._store(workload, setup, self.store_engine, redis_url) as (connector, finish):
-            replayer = self._replayer(workload, connector, setup.lookahead)
+        checked against ``reference``'s tokens. ``retain_pages``: on a fresh engine whose
+        pool keeps that many pages of finished requests resident (the HBM level) beside
+        the one context it runs."""
+        engine = self._new_engine(retain_pages) if retain_pages else self.store_engine
+        if retain_pages:
+            self._warm_up(engine)
+        with self._store(workload, setup, engine, redis_url) as (connector, finish):
+            replayer = self._replayer(workload, connector, setup.lookahead, engine)
             records = [replayer.run(i) for i in range(len(workload.turns))]
             check_same_outputs(f"kvstore ({setup.name})", records, reference.records)
             store = finish()
@@ -205,16 +220,24 @@ class ChatBench:
             self._warm_up(self._second_engine)
         return self._second_engine
 
-    def _new_engine(self) -> Engine:
-        """An engine on the model whose pool holds one full context."""
+    def _new_engine(self, retain_pages: int = 0) -> Engine:
+        """An engine on the model whose pool holds one full context, and ``retain_pages``
+        more that finished requests' pages may stay resident in."""
         size = self.preset.model
-        pages = size.max_positions // size.block_tokens + 2
-        return Engine(self.model, num_pages=pages, page_tokens=size.block_tokens)
+        pages = size.max_positions // size.block_tokens + 2 + retain_pages
+        return Engine(
+            self.model, num_pages=pages, page_tokens=size.block_tokens, retain_pages=retain_pages
+        )
 
     def _replayer(
-        self, workload: Workload, connector: StoreConnector | None = None, lookahead: int = 0
+        self,
+        workload: Workload,
+        connector: StoreConnector | None = None,
+        lookahead: int = 0,
+        engine: Engine | None = None,
     ) -> Replayer:
-        engine = self.recompute_engine if connector is None else self.store_engine
+        if engine is None:
+            engine = self.recompute_engine if connector is None else self.store_engine
         return Replayer(
             workload,
             engine,

@@ -53,6 +53,34 @@ def test_the_smoke_bench_writes_tables_json_and_plots(tmp_path: Path) -> None:
     assert report["sweep"][-1]["store"] == "host+SSD"  # the main run closes the sweep
     text = (out / "chat.md").read_text()
     assert "| workload" in text and "Goals:" in text and "preset: smoke" in text
+    assert "The HBM level (sharegpt)" in text
+
+
+def test_the_hbm_level_serves_resident_history_with_recompute_tokens(tmp_path: Path) -> None:
+    """The workload with the most sessions again with the engine's pool keeping none, one
+    or every session resident: tokens equal recompute's (checked by the bench, exit 0);
+    with no pool every hit comes from the store, with every session kept the history comes
+    from HBM and the store loads nothing; the levels and the computed tokens add up to the
+    prompt tokens in every row."""
+    out = tmp_path / "out"
+    args = [*SMOKE, "--workloads", "sharegpt", "--no-sweep", "--no-plots", "--out", str(out)]
+    assert main([*args, "--dir", str(tmp_path)]) == 0
+    report = json.loads((out / "chat.json").read_text())
+    pools = {row["keeps"]: row for row in report["hbm"]}
+    sessions = report["workloads"]["sharegpt"]["sessions"]
+    assert list(pools) == ["none", "1 session", f"all {sessions} sessions"]
+    assert [p["retain_pages"] for p in pools.values()] == sorted(
+        p["retain_pages"] for p in pools.values()
+    )
+    for row in pools.values():
+        assert row["loaded_tokens"] == sum(row["tier_tokens"].values()) <= row["prompt_tokens"]
+        assert set(row["tier_tokens"]) == {"hbm", "host", "ssd", "redis"}
+    none, every = pools["none"], pools[f"all {sessions} sessions"]
+    assert none["tier_tokens"]["hbm"] == 0 < none["loaded_tokens"]
+    assert every["tier_tokens"]["hbm"] == every["loaded_tokens"] >= none["loaded_tokens"]
+    assert every["tier_tokens"]["host"] == every["tier_tokens"]["ssd"] == 0
+    text = (out / "chat.md").read_text()
+    assert "| HBM pool keeps" in text and "| none" in text
 
 
 def test_the_bench_fails_loudly_when_the_store_serves_other_kv(

@@ -35,7 +35,8 @@ def test_real_conversations_replay_with_the_same_tokens_and_fill_the_tier_grid(
     assert turns == sum(n for mode, n in compared if mode == "kvstore")  # every turn, main run
     fractions = PRESETS["smoke"].host_fractions
     grid = report["grid"]
-    assert len(compared) == turns + len(grid) and len(grid) == 3 * 2 * len(fractions)
+    assert len(report["hbm"]) == 3  # the HBM level: pools keeping none, one, all sessions
+    assert len(compared) == turns + len(grid) + 3 and len(grid) == 3 * 2 * len(fractions)
     assert {(g["host_fraction"], g["stack"], g["policy"]) for g in grid} == {
         (f, stack, policy)
         for f in fractions
