@@ -20,12 +20,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kvstore.inference_adapter.bench.daemon import TierSetup, running_store
 from kvstore.inference_adapter.bench.vllm_chat import MODEL_SIZES, ChatShape, write_model
+from kvstore.inference_adapter.levels import by_level
 from kvstore.launch import module_command
 
 __all__ = ["main"]
@@ -151,10 +153,15 @@ def _report(
         )
     total = sum(map(sum, prompts))
     saved = sum(map(sum, cached))
+    levels: Counter[str] = Counter()
+    for session in with_store["sessions"]:
+        for turn in session:
+            levels.update(turn.get("levels", {}))
     lines += [
         "",
         f"prefill tokens saved: {saved} of {total} ({saved / total:.0%}); "
         f"connector counters: {with_store['connector']}",
+        f"kvstore run, {by_level(levels, computed=int(total - saved))}",
     ]
     return "\n".join(lines)
 

@@ -3,11 +3,12 @@
 Runs inside a Python environment that has vLLM (``python -m
 kvstore.inference_adapter.bench.vllm_chat --help``) and prints one JSON object: per session,
 per turn, the greedy output tokens, the prompt tokens vLLM took from a cache
-(``num_cached_tokens``; vLLM's own prefix cache is off, so they are kvstore's) and the time
-to first token. The tests and ``kvstore bench vllm`` compare such runs. Between turns the
-driver lets the connector's saves reach the daemon (a user's think time is longer than a
-put), untimed, so that a turn's hits do not depend on how fast the previous turn's
-background puts ran.
+(``num_cached_tokens``: kvstore's, and with ``--prefix-caching`` vLLM's own too), the same
+by level as the connector reports them (``levels``: ``hbm`` for vLLM's own prefix cache,
+``host``/``ssd``/``redis`` for the daemon's tiers) and the time to first token. The tests
+and ``kvstore bench vllm`` compare such runs. Between turns the driver lets the connector's
+saves reach the daemon (a user's think time is longer than a put), untimed, so that a turn's
+hits do not depend on how fast the previous turn's background puts ran.
 
 ``write_model(folder, size)`` writes a random Llama checkpoint (``config.json`` and
 safetensors, the weights kvstore's own engine draws for the same seed, scaled by ``gain``
@@ -198,9 +199,11 @@ def engine(
     kv_cache_bytes: int = 512 << 20,
     tensor_parallel_size: int = 1,
     dtype: str = "float32",
+    prefix_caching: bool = False,
 ) -> Any:
     """vLLM's offline engine on ``model``; ``connector`` is ``kv_connector_extra_config``
-    for KVStoreConnector, or ``None`` for none. vLLM's prefix cache is off."""
+    for KVStoreConnector, or ``None`` for none. vLLM's prefix cache is off unless
+    ``prefix_caching``."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -218,7 +221,7 @@ def engine(
         load_format="safetensors",
         skip_tokenizer_init=True,
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         kv_transfer_config=transfer,
         block_size=block_size,
         max_model_len=max_model_len,
@@ -242,6 +245,8 @@ def run_chats(
     long answers are) or else ``chat_turns(shape)``."""
     from vllm import SamplingParams
 
+    from kvstore.inference_adapter.vllm.scheduler import LEVELS_PARAM
+
     params = SamplingParams(max_tokens=shape.answer_tokens, temperature=0.0, detokenize=False)
     users = users or chat_turns(shape)
     shape = replace(shape, sessions=len(users), turns=min(len(turns) for turns in users))
@@ -261,6 +266,7 @@ def run_chats(
                     "prompt_tokens": len(prompt),
                     "tokens": tokens,
                     "cached_tokens": int(output.num_cached_tokens or 0),
+                    "levels": (output.kv_transfer_params or {}).get(LEVELS_PARAM, {}),
                     "ttft_s": ttft,
                     "wall_s": elapsed,
                 }
@@ -285,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the model's and the KV cache's dtype")  # fmt: skip
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="vLLM's own prefix cache on (the HBM level)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
     parser.add_argument("--prompts", type=Path,
                         help="the users' turns as JSON (per session, per turn, token ids), "
@@ -342,6 +350,7 @@ def _play(
         kv_cache_bytes=args.kv_cache_mib << 20,
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
+        prefix_caching=args.prefix_caching,
     )
     start_s = time.perf_counter() - started
     sessions = run_chats(llm, shape, hooks, users)

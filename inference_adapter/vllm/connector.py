@@ -51,7 +51,12 @@ from kvstore.client import shard_keys
 from kvstore.inference_adapter.vllm.layout import layer_kv, layout_of
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.model import model_namespace
-from kvstore.inference_adapter.vllm.scheduler import SchedulerSide, StepPlan, held_by_every_rank
+from kvstore.inference_adapter.vllm.scheduler import (
+    LEVELS_PARAM,
+    SchedulerSide,
+    StepPlan,
+    held_by_every_rank,
+)
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
 from kvstore.inference_adapter.vllm.worker import WorkerSide
 
@@ -193,10 +198,13 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         return KVStoreMetadata(plan=side.plan_step())
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         # The worker copies saved blocks out during the step: nothing holds vLLM's blocks.
-        self._sched().finished(request.request_id)
-        return False, None
+        # Where the prompt's KV came from reaches the request's output (kv_transfer_params).
+        levels = self._sched().finished(request.request_id)
+        return False, ({LEVELS_PARAM: levels} if levels else None)
 
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:

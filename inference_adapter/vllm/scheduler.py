@@ -6,7 +6,10 @@ sent in the background, once a request) to promote the blocks it found below the
 a request vLLM cannot admit yet waits in its queue while they move up, and the worker's
 lease at the step that loads finds them in host memory, ``allocated`` once its blocks exist, and
 every step ``plan_step``, whose :class:`StepPlan` travels to the worker as the step's
-connector metadata. ``finished`` forgets the request.
+connector metadata. ``finished`` forgets the request and returns where its prompt's KV
+came from: ``hbm`` (vLLM's own prefix cache, the tokens it had computed when it asked), and
+the daemon's tiers (``host``, ``ssd``, ``redis``, the highest copy of each loaded block at
+lookup), in tokens; the connector hands them to vLLM's output (``kv_transfer_params``).
 
 - Loads: only whole stored blocks, only past what vLLM computed itself
   (``num_computed_tokens``, its own prefix cache), never the prompt's last token (vLLM must
@@ -31,9 +34,20 @@ from typing import Protocol
 
 from kvstore.client import ROOT_KEY, LookupResult, Namespace, block_keys, shard_keys
 
-__all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan", "held_by_every_rank"]
+__all__ = [
+    "LEVELS_PARAM",
+    "LoadSpec",
+    "SaveSpec",
+    "SchedulerSide",
+    "StepPlan",
+    "held_by_every_rank",
+]
 
 log = logging.getLogger(__name__)
+
+# The key of vLLM's ``kv_transfer_params`` on a finished request's output that holds its
+# prompt tokens by level (``{"hbm": 64, "host": 256}``).
+LEVELS_PARAM = "kvstore_levels"
 
 
 class TrackedRequest(Protocol):
@@ -83,6 +97,7 @@ class _Tracked:
     next_save: int = 0  # stored blocks below this index are held or handed to a save
     computed: int = 0  # tokens with KV once the last planned step has run
     hinted: bool = False  # a prefetch hint was sent for its blocks below the host tier
+    levels: dict[str, int] = field(default_factory=dict)  # level -> prompt tokens from it
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +105,7 @@ class _Match:
     keys: tuple[bytes, ...]
     held: int  # leading stored blocks the daemon holds
     num_computed: int  # vLLM's own prefix hit when it asked
+    tiers: tuple[str, ...] = ()  # per held block, its highest tier at lookup
 
 
 class SchedulerSide:
@@ -141,6 +157,7 @@ class SchedulerSide:
         blocks the daemon holds are then not saved again.
         """
         tracked = self._track(request)
+        tracked.levels = {"hbm": num_computed_tokens} if num_computed_tokens else {}
         prompt = list(request.prompt_token_ids or ())
         usable = (len(prompt) - 1) // self.block_tokens  # one prompt token is always computed
         if usable <= 0:
@@ -161,7 +178,9 @@ class SchedulerSide:
         if self._prefetch is not None and not tracked.hinted and _below_host(found, held):
             tracked.hinted = True
             self._prefetch(request.request_id, keys[:held])
-        self._matches[request.request_id] = _Match(keys, held, num_computed_tokens)
+        self._matches[request.request_id] = _Match(
+            keys, held, num_computed_tokens, found.tiers[:held]
+        )
         return max(0, held * self.block_tokens - num_computed_tokens)
 
     def allocated(self, request: TrackedRequest, block_ids: Sequence[int], external: int) -> None:
@@ -174,6 +193,11 @@ class SchedulerSide:
         first = match.num_computed // self.block_tokens
         held = (match.num_computed + external) // self.block_tokens
         tracked.next_save = max(tracked.next_save, held)
+        for index in range(first, held):  # the first may be partly vLLM's own
+            tier = match.tiers[index] if index < len(match.tiers) else "host"
+            start = max(index * self.block_tokens, match.num_computed)
+            tokens = (index + 1) * self.block_tokens - start
+            tracked.levels[tier] = tracked.levels.get(tier, 0) + tokens
         per = self.per_block
         self._loads.append(
             LoadSpec(
@@ -210,9 +234,11 @@ class SchedulerSide:
         saves = tuple(spec for t in self._tracked.values() if (spec := self._save_spec(t)))
         return StepPlan(loads=loads, saves=saves)
 
-    def finished(self, request_id: str) -> None:
-        self._tracked.pop(request_id, None)
+    def finished(self, request_id: str) -> dict[str, int]:
+        """Forgets the request; returns its prompt tokens by level (none computed)."""
+        tracked = self._tracked.pop(request_id, None)
         self._matches.pop(request_id, None)
+        return tracked.levels if tracked is not None else {}
 
     def _track(self, request: TrackedRequest) -> _Tracked:
         tracked = self._tracked.get(request.request_id)

@@ -70,6 +70,29 @@ def test_a_hit_leaves_the_last_prompt_token_to_vllm_and_skips_what_vllm_computed
     assert side.plan_step().loads == ()  # a load is sent once
 
 
+def test_a_finished_request_says_which_level_each_prompt_token_came_from() -> None:
+    """vLLM's own prefix hit is the HBM level; loaded blocks count under the tier that held
+    them at lookup, the first one only for its tokens past vLLM's hit; computed tokens are
+    in no level."""
+    tiers = ["host"] * 3 + ["ssd"] * 2 + ["redis"] * 4
+
+    def lookup(keys: Sequence[bytes]) -> LookupResult:
+        return LookupResult.of_tiers(tiers[: len(keys)])
+
+    side = SchedulerSide(namespace(32), VLLM_BLOCK, lookup)
+    request = FakeRequest("r", list(range(1, 8 * 32 + 11)))  # 8 usable blocks of 9 held
+    assert side.matched_tokens(request, 48) == 8 * 32 - 48  # vLLM holds 1.5 blocks
+    side.allocated(request, list(range(20)), 8 * 32 - 48)
+    levels = side.finished("r")
+    assert levels == {"hbm": 48, "host": 3 * 32 - 48, "ssd": 2 * 32, "redis": 3 * 32}
+    assert sum(levels.values()) == 8 * 32
+    # A request vLLM takes nothing from reports only its own hit, or nothing.
+    assert side.matched_tokens(FakeRequest("s", list(range(1, 100))), 64) == 3 * 32 - 64
+    side.allocated(FakeRequest("s", list(range(1, 100))), list(range(7)), 0)
+    assert side.finished("s") == {"hbm": 64}
+    assert side.finished("unknown") == {}
+
+
 def test_a_lookup_failure_is_a_miss() -> None:
     def down(keys: Sequence[bytes]) -> LookupResult:
         raise ConnectionError("daemon down")
