@@ -211,11 +211,14 @@ class StoreConnector:
         return False
 
     def save(self, request: Request, pages: Sequence[int], num_tokens: int) -> None:
-        """Queues the new full blocks of ``(prompt + output)[:num_tokens]``; never waits."""
+        """Queues the new full blocks of ``(prompt + output)[:num_tokens]``; never waits.
+        Blocks wholly in pages the engine mapped from its pool (``num_resident_tokens``) are
+        not offered: the request that computed them offered them then."""
         plan = self._plans.setdefault(request.request_id, _Plan())
         tokens = (request.prompt + request.output)[:num_tokens]
         keys = block_keys(tokens, self.namespace, request.salt)
-        new = [b for b, key in enumerate(keys) if key not in plan.known]
+        resident = request.num_resident_tokens // self.block_tokens
+        new = [b for b, key in enumerate(keys) if b >= resident and key not in plan.known]
         for run in _runs(new):
             if not self._saves.has_room(len(run)):
                 self._count("dropped_saves", len(run))

@@ -23,7 +23,9 @@
    pages of exact KV (a request without a ``reuse`` plan or ``salt``) are published under
    their prefix keys after the prefill and at the end, so the pages stay resident for the
    next turn or another session with the same prefix (up to ``retain_pages`` idle pages,
-   least recently used evicted first).
+   least recently used evicted first, but the pages of requests still waiting in
+   ``generate`` and of the prompts given to ``protect`` (a chat server's queued turns) only
+   when no other idle page is left: scheduler-aware eviction).
 
 ``generate(requests, on_token=...)`` calls ``on_token(request, token)`` as each token is
 sampled (a chat streams its reply with it). ``score(request)`` runs one request's admission,
@@ -37,10 +39,11 @@ be set after construction (``engine.connector = ...``) since it usually needs th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -117,6 +120,7 @@ class Engine:
         )
         # [num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]
         self.kv_pool = model.new_kv_pool(num_pages, page_tokens)
+        self._queued: list[bytes] = []  # keys of pages to evict last (protect)
 
     @property
     def config(self) -> LlamaConfig:
@@ -153,10 +157,14 @@ class Engine:
             self.check_request(request)
         waiting = deque(requests)
         running: list[Sequence] = []
+        queued = {r.request_id: self._exact_keys(r, len(r.prompt) - 1) for r in requests}
+        self._protect_waiting(queued)
         try:
             while waiting or running:
                 while waiting and self.can_admit(waiting[0], len(running)):
                     running.append(self._admit(waiting.popleft()))
+                    queued.pop(running[-1].request.request_id, None)
+                    self._protect_waiting(queued)
                     self._prefill(running[-1])
                     _emit(on_token, running[-1:])
                     self._retire_finished(running)
@@ -231,6 +239,20 @@ class Engine:
         if shared:
             request.loaded_from = {"hbm": len(shared)}
         return Sequence(request, pages, admitted_at, generator)
+
+    def protect(self, prompts: Iterable[SequenceOf[int]]) -> None:
+        """Scheduler-aware eviction from the pool: the resident pages of these prompts (turns
+        queued to run next) are evicted only after every other idle page. Replaces the
+        prompts given before; :meth:`generate` adds its own requests while they wait."""
+        if not self.allocator.retain_pages:
+            return
+        self._queued = [k for p in prompts for k in block_keys(list(p)[:-1], self._page_space)]
+        self.allocator.protect(self._queued)
+
+    def _protect_waiting(self, waiting: dict[str, list[bytes]]) -> None:
+        """Protects the pages of ``protect``'s prompts and of requests not yet admitted."""
+        if self.allocator.retain_pages:
+            self.allocator.protect([*self._queued, *itertools.chain(*waiting.values())])
 
     def _exact_keys(self, request: Request, num_tokens: int) -> list[bytes]:
         """Keys of the full pages of ``(prompt + output)[:num_tokens]`` when their KV is

@@ -11,7 +11,9 @@ the slot arithmetic come from ``kvstore.kernels.paged``; this module holds the h
   first), and ``share(keys)`` maps the leading resident pages of a new request into it
   (a holder more, no copy). Full pages are never written again, so sharing needs no copy on
   write; a partial page is always private. ``allocate`` takes free pages first, then evicts
-  idle ones.
+  idle ones: least recently used first, but pages under keys given to ``protect`` (the
+  prompts of queued requests: scheduler-aware eviction) only when no other idle page is
+  left.
 - ``pages_for(num_tokens, page_tokens)``: how many pages a run of tokens fills.
 - ``AttentionBatch``: the addressing of one forward step (positions, slots, lengths, block
   tables), built by ``prefill_batch`` (one sequence's new tokens after a cached prefix) or
@@ -21,7 +23,7 @@ the slot arithmetic come from ``kvstore.kernels.paged``; this module holds the h
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,7 @@ class PageAllocator:
         self._key_of: dict[int, bytes] = {}  # resident pages (held or idle) -> key
         self._page_of: dict[bytes, int] = {}  # key -> its resident page
         self._idle: OrderedDict[int, None] = OrderedDict()  # resident, no holder; LRU first
+        self._protected: frozenset[bytes] = frozenset()  # keys queued requests will share
         self.shared_pages = 0  # pages handed out by share (HBM hits)
         self.evicted_pages = 0  # idle resident pages given up (room, or over retain_pages)
 
@@ -138,12 +141,22 @@ class PageAllocator:
         while len(self._idle) > self.retain_pages:
             self._evict_idle()
 
+    def protect(self, keys: Iterable[bytes]) -> None:
+        """Idle pages under ``keys`` are evicted last, after every other idle page (the
+        prompts of requests waiting to run); replaces the keys given before."""
+        self._protected = frozenset(keys)
+
     def holders(self, page: int) -> int:
         """How many sequences hold ``page`` now (0: free or idle)."""
         return self._holders.get(page, 0)
 
     def _evict_idle(self) -> None:
-        page, _ = self._idle.popitem(last=False)
+        """Evicts the least recently used idle page no queued request will share, or the
+        least recently used idle page when every one is protected."""
+        page = next(iter(self._idle))
+        if self._protected:
+            page = next((p for p in self._idle if self._key_of[p] not in self._protected), page)
+        del self._idle[page]
         del self._page_of[self._key_of.pop(page)]
         self._free.append(page)
         self.evicted_pages += 1

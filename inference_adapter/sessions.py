@@ -233,6 +233,7 @@ class ChatServer:
         session, message = self._queue.popleft()
         self._hinted = max(0, self._hinted - 1)  # the turns hinted at the queue's head
         self._hint_queued()
+        self._protect_queued()
         plan = self.plan(session, message)
         request = Request(
             f"{session.session_id}/{next(self._ids)}",
@@ -276,6 +277,14 @@ class ChatServer:
             salt=session.salt,
             origin=session.session_id.encode(),
         )
+
+    def _protect_queued(self) -> None:
+        """The engine's pool evicts the resident history of the next ``lookahead`` queued
+        turns last (scheduler-aware, as the daemon's tiers with the hints)."""
+        if self.engine.allocator.retain_pages:
+            queued = itertools.islice(self._queue, 0, max(self.lookahead, 0))
+            plans = [self.plan(session, message) for session, message in queued]
+            self.engine.protect(p.prompt for p in plans if not p.reuse and p.salt is None)
 
     def _hint_queued(self) -> None:
         """Tells the daemon which sessions run after this turn, with the keys they will look

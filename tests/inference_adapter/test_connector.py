@@ -282,6 +282,28 @@ def check_the_pool_keeps_the_latest_sessions(models: TinyModels, client: KVStore
     connector.close()
 
 
+def test_blocks_mapped_from_the_pool_are_not_offered_to_the_store_again(
+    models: TinyModels, client: KVStoreClient
+) -> None:
+    """A prompt whose every full page is resident asks the store nothing; its blocks were
+    offered when they were computed, so its saves offer only blocks past them (none here:
+    the answer fills no new block)."""
+    engine, connector = store_engine(models.engine, client, "hbm-saves", retain_pages=16)
+    prompt = torch.randint(0, 192, (50,), generator=torch.Generator().manual_seed(80)).tolist()
+    first = Request("first", prompt, SAMPLING)
+    engine.generate([first])
+    assert connector.wait_for_saves(10.0)
+    offered = connector.stats().queued_saves
+    assert offered == (len(prompt) + len(first.output) - 1) // connector.block_tokens
+    again = Request("again", prompt, SAMPLING)  # the same prompt: a regenerated answer
+    engine.generate([again])
+    assert again.loaded_from == {"hbm": (len(prompt) - 1) // PAGE}
+    assert connector.stats().lookups == 1  # the first request's only
+    assert connector.stats().queued_saves == offered
+    assert again.output == first.output
+    connector.close()
+
+
 def test_a_bf16_chat_through_the_store_answers_like_recompute(
     models: TinyModels, client: KVStoreClient
 ) -> None:

@@ -23,6 +23,7 @@ from kvstore.inference_adapter import (
     SamplingParams,
     load_model,
 )
+from kvstore.inference_adapter.sessions import ChatServer
 from tests.inference_adapter.conftest import hf_model, tiny_config
 
 PAGE_TOKENS = 8
@@ -350,6 +351,37 @@ def test_a_resident_history_is_mapped_not_loaded_and_answers_like_recompute(
         history = prompt + request.output
     assert "wait" not in {what for what, _, _ in store.events}  # the store never loaded
     assert engine.allocator.shared_pages > 0
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_queued_sessions_keep_their_resident_history_when_the_pool_evicts(
+    model: LlamaModel, lookahead: int
+) -> None:
+    """Three sessions take turns, A's second turn queued behind B's and C's first ones; the
+    pool keeps 8 idle pages, fewer than two sessions' 5 each. With the look-ahead the
+    server names queued turns to the engine, whose pool evicts B's and C's pages before A's:
+    A's second turn maps its whole history. Without it, plain LRU evicts A's oldest pages
+    first, and A's turn maps nothing (the chain breaks at its first page). Replies equal
+    recompute either way."""
+    engine = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS, retain_pages=8)
+    sampling = SamplingParams(max_tokens=8)
+    server = ChatServer(engine, sampling=sampling, lookahead=lookahead)
+    recompute = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS)
+    messages = [("A", random_prompt(40, 11)), ("B", random_prompt(40, 12)),
+                ("C", random_prompt(40, 13)), ("A", random_prompt(6, 14))]  # fmt: skip
+    for session, message in messages:
+        server.submit(session, message)
+    turns = [server.run_next() for _ in messages]
+    for turn in turns:
+        alone = Request("alone", list(turn.request.prompt), sampling)
+        recompute.generate([alone])
+        assert turn.request.output == alone.output
+    second = turns[-1].request
+    history_pages = (len(second.prompt) - 6 - 1) // PAGE_TOKENS  # 47 tokens with KV: 5 pages
+    if lookahead:
+        assert second.loaded_from == {"hbm": history_pages} == {"hbm": 5}
+    else:
+        assert second.loaded_from == {} and second.num_resident_tokens == 0
 
 
 def test_concurrent_sessions_with_one_system_prompt_hold_one_copy_of_its_pages(

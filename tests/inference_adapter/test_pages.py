@@ -67,6 +67,26 @@ def test_idle_pages_past_retain_pages_are_evicted_oldest_first() -> None:
     assert len(allocator.share([key(2), key(3)])) == 2
 
 
+def test_protected_idle_pages_are_evicted_after_every_other_idle_page() -> None:
+    """Scheduler-aware eviction: keys of queued requests go last, LRU among the rest; when
+    only protected pages are idle, the least recently used of them goes."""
+    allocator = PageAllocator(6, retain_pages=6)
+    pages = {}
+    for n in range(4):  # key(0) is the least recently used
+        (pages[n],) = allocator.allocate(1)
+        allocator.publish([pages[n]], [key(n)])
+        allocator.free([pages[n]])
+    allocator.protect([key(0), key(2)])
+    taken = allocator.allocate(4)  # two free pages, then two idle ones: 1 and 3
+    assert {pages[1], pages[3]} <= set(taken)
+    assert allocator.share([key(1)]) == [] and allocator.share([key(3)]) == []
+    assert allocator.share([key(0)]) == [pages[0]]
+    allocator.free([pages[0]])  # idle again, now more recent than key(2)'s page
+    assert allocator.allocate(1) == [pages[2]]  # only protected ones idle: LRU of them
+    allocator.protect([])  # replaced: plain LRU again
+    assert allocator.num_resident_pages == 1 and allocator.share([key(0)]) == [pages[0]]
+
+
 def test_random_operations_never_share_a_page_rewritten_since_it_was_published() -> None:
     """Every allocation writes new contents into its pages (a stamp); a page ``share`` hands
     out for a key must hold contents published under that key, so a page reused while its
