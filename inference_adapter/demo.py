@@ -46,6 +46,7 @@ from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.gguf import load_gguf_model
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.levels import by_level
+from kvstore.inference_adapter.metrics import serve_engine_metrics
 from kvstore.inference_adapter.model import LlamaModel
 from kvstore.inference_adapter.models import SMOLLM2, model_path
 from kvstore.inference_adapter.sessions import ByteTokenizer, ChatServer, Turn
@@ -124,6 +125,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-recompute", action="store_true", help="skip the engine that recomputes each turn"
     )
+    parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve the engine's Prometheus metrics there (HBM hits, evictions, residency, "
+        "prompt tokens by level) while the chat runs",
+    )
     random = parser.add_argument_group("--random: a small random model, no file needed")
     random.add_argument("--random", action="store_true", help="random weights, byte tokens")
     random.add_argument("--layers", type=int, default=4)
@@ -165,6 +172,7 @@ def run_chat(args: argparse.Namespace) -> int:
     with (
         _daemon(args.address) as address,
         KVStoreClient(address, token=args.token, retries=1, timeout=10.0, pin_arena=True) as client,
+        _engine_metrics(store_engine, args.metrics_listen),
     ):
         connector = StoreConnector(
             client,
@@ -183,16 +191,14 @@ def run_chat(args: argparse.Namespace) -> int:
             )
             print(f"kvstore chat: {chat.describe}; daemon {address} ({client.data_plane})")
             agreed = True
-            levels: Counter[str] = Counter()  # prompt tokens by where their KV came from
+            before = Counter(store_engine.prompt_tokens)  # the warm-up's are not the chat's
             for index, text in enumerate(messages, start=1):
                 first = not server.session("chat").turns
                 tokens = chat.message_tokens(text, first)
                 turn = _run_turn(server, chat, tokens)
                 connector.wait_for_saves(30.0)  # so the next turn finds this one's blocks
                 agreed &= _report(index, turn, recompute, sampling)
-                for level, blocks in turn.request.loaded_from.items():
-                    levels[level] += blocks * args.page_tokens
-                levels["computed"] += turn.request.num_computed_tokens
+            levels = store_engine.prompt_tokens - before
             print(by_level(levels, computed=levels.pop("computed", 0)))
             stats = connector.stats()
             print(
@@ -203,6 +209,19 @@ def run_chat(args: argparse.Namespace) -> int:
         finally:
             connector.close()
     return 0 if agreed else 1
+
+
+@contextlib.contextmanager
+def _engine_metrics(engine: Engine, listen: str | None) -> Iterator[None]:
+    if listen is None:
+        yield
+        return
+    stop, port = serve_engine_metrics(engine, listen)
+    print(f"kvstore chat: engine metrics on http://{listen.rpartition(':')[0]}:{port}/metrics")
+    try:
+        yield
+    finally:
+        stop()
 
 
 def _run_turn(server: ChatServer, chat: ChatModel, message: list[int]) -> Turn:

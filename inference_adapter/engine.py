@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
@@ -121,6 +121,8 @@ class Engine:
         # [num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]
         self.kv_pool = model.new_kv_pool(num_pages, page_tokens)
         self._queued: list[bytes] = []  # keys of pages to evict last (protect)
+        # Prompt tokens by where their KV came from: hbm, host, ssd, redis, computed.
+        self.prompt_tokens: Counter[str] = Counter()
 
     @property
     def config(self) -> LlamaConfig:
@@ -278,7 +280,23 @@ class Engine:
 
     def _prefill_hidden(self, seq: Sequence) -> torch.Tensor:
         """Loads what the connector offered and computes the rest of the prompt: last-layer
-        states of the computed tokens ``[num_computed_tokens, hidden]``."""
+        states of the computed tokens ``[num_computed_tokens, hidden]``. Counts the prompt's
+        tokens by level in ``prompt_tokens``."""
+        hidden = self._prompt_states(seq)
+        self._count_levels(seq.request)
+        return hidden
+
+    def _count_levels(self, request: Request) -> None:
+        counts = self.prompt_tokens
+        counts["hbm"] += request.num_resident_tokens
+        stored = {level: n for level, n in request.loaded_from.items() if level != "hbm"}
+        if request.num_loaded_tokens and stored:
+            per_block = request.num_loaded_tokens // sum(stored.values())
+            for level, blocks in stored.items():
+                counts[level] += blocks * per_block
+        counts["computed"] += request.num_computed_tokens
+
+    def _prompt_states(self, seq: Sequence) -> torch.Tensor:
         request = seq.request
         resident = request.num_resident_tokens
         if resident:  # in shared pages: nothing to load, nothing to wait for

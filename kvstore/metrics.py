@@ -281,9 +281,19 @@ def serve_metrics(
     Raises:
         OSError: the address cannot be bound (the message names it).
     """
-    host, _, port = listen.rpartition(":")
     registry = CollectorRegistry(auto_describe=False) if rpcs is None else rpcs.registry
     registry.register(StatsCollector(snapshot, loop))
+    return serve_registry(listen, registry)
+
+
+def serve_registry(listen: str, registry: CollectorRegistry) -> tuple[Callable[[], None], int]:
+    """Serves ``registry`` on ``listen`` (``host:port``; port 0 picks one) from a thread.
+    Returns a function that stops it, and the port it listens on.
+
+    Raises:
+        OSError: the address cannot be bound (the message names it).
+    """
+    host, _, port = listen.rpartition(":")
     try:
         server, thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
     except OSError as error:

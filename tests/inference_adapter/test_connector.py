@@ -277,6 +277,8 @@ def check_the_pool_keeps_the_latest_sessions(models: TinyModels, client: KVStore
     engine.generate(turns[1:])
     assert [turn.loaded_from for turn in turns[1:]] == [{"host": 3}] * 2
     assert [turn.num_resident_tokens for turn in turns] == [48, 0, 0]
+    assert engine.prompt_tokens["hbm"] == 48
+    assert engine.prompt_tokens["host"] == 2 * 3 * connector.block_tokens
     for turn in turns:
         assert turn.output == recompute(models.engine, turn.prompt).output
     connector.close()

@@ -48,14 +48,18 @@ def test_with_hbm_pages_later_turns_map_the_history_kept_in_the_pool(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = [*TINY, "--script", "--turns", "3", "--page-tokens", "32", "--max-tokens", "4"]
-    assert main([*args, "--hbm-pages", "64"]) == 0
+    assert main([*args, "--hbm-pages", "64", "--metrics-listen", "127.0.0.1:0"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if re.search(r"turn \d+:", line)]
     assert len(lines) == 3 and all("same reply" in line for line in lines), out
+    mapped = 0
     for line in lines[1:]:  # the history is in the pool: nothing loaded from the store
         hbm = re.search(r"loaded (\d+) \(hbm (\d+) blocks\)", line)
         assert hbm and int(hbm[1]) == int(hbm[2]) * 32 > 0, line
-    assert re.search(r"prompt tokens by level: hbm \d+ \(\d+%\), computed", out), out
+        mapped += int(hbm[1])
+    # The chat's own turns only (the warm-up's tokens are the engine's, not the chat's).
+    assert re.search(rf"prompt tokens by level: hbm {mapped} \(\d+%\), computed", out), out
+    assert re.search(r"engine metrics on http://127\.0\.0\.1:\d+/metrics", out), out
     assert "store: 0 blocks loaded" in out
 
 
