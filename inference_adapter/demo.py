@@ -41,9 +41,11 @@ from typing import TextIO
 import torch
 
 from kvstore.client import KVStoreClient, KVStoreError
+from kvstore.config import ConfigError
 from kvstore.inference_adapter.connector import StoreConnector
 from kvstore.inference_adapter.engine import Engine
 from kvstore.inference_adapter.gguf import load_gguf_model
+from kvstore.inference_adapter.hbm import load_hbm_config
 from kvstore.inference_adapter.interfaces import Request, SamplingParams
 from kvstore.inference_adapter.levels import by_level
 from kvstore.inference_adapter.metrics import serve_engine_metrics
@@ -119,8 +121,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hbm-pages",
         type=int,
-        default=0,
-        help="pool pages kept resident between turns (the HBM level; 0: off)",
+        help="pool pages kept resident between turns (the HBM level; 0, the default: off); "
+        "over --config's hbm.pages",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="a TOML file with an [hbm] table: pages, policy (lru or scheduler_aware)",
     )
     parser.add_argument(
         "--no-recompute", action="store_true", help="skip the engine that recomputes each turn"
@@ -142,8 +149,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     """The chat; returns 0 when both engines agreed on every turn (1 otherwise, 2 when the
-    model file is missing)."""
+    model file is missing or --config is unusable)."""
     torch.set_grad_enabled(False)
+    try:
+        hbm = load_hbm_config(args.config, pages=args.hbm_pages)
+    except (ConfigError, OSError) as exc:
+        print(f"kvstore chat: {exc}", file=sys.stderr)
+        return 2
     try:
         chat = _random_model(args) if args.random else _gguf_model(args)
     except FileNotFoundError as exc:
@@ -154,9 +166,10 @@ def run_chat(args: argparse.Namespace) -> int:
     pages = window // args.page_tokens + 1
     store_engine = Engine(
         chat.model,
-        num_pages=pages + args.hbm_pages,
+        num_pages=pages + hbm.pages,
         page_tokens=args.page_tokens,
-        retain_pages=args.hbm_pages,
+        retain_pages=hbm.pages,
+        hbm_policy=hbm.policy,
     )
     recompute = None
     if not args.no_recompute:

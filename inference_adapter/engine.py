@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import block_keys
+from kvstore.inference_adapter.hbm import HBM_POLICIES
 from kvstore.inference_adapter.interfaces import (
     KVConnector,
     NullConnector,
@@ -103,7 +104,12 @@ class Engine:
         connector: KVConnector | None = None,
         max_batch: int = 8,
         retain_pages: int = 0,
+        hbm_policy: str = "scheduler_aware",
     ) -> None:
+        if hbm_policy not in HBM_POLICIES:
+            raise ValueError(
+                f"hbm_policy must be one of {', '.join(HBM_POLICIES)}; got {hbm_policy!r}"
+            )
         if page_tokens < 1 or max_batch < 1:
             raise ValueError(
                 f"page_tokens and max_batch must be >= 1, got {page_tokens}, {max_batch}"
@@ -113,6 +119,7 @@ class Engine:
         self.max_batch = max_batch
         self.connector: KVConnector = connector or NullConnector()
         self.allocator = PageAllocator(num_pages, retain_pages=retain_pages)
+        self.hbm_policy = hbm_policy  # "lru": protect() names nothing
         # Keys of the pool's resident pages: the store's prefix-hash chain, in a namespace of
         # this pool's own (one model, one page size).
         self._page_space = namespace_for(
@@ -246,14 +253,14 @@ class Engine:
         """Scheduler-aware eviction from the pool: the resident pages of these prompts (turns
         queued to run next) are evicted only after every other idle page. Replaces the
         prompts given before; :meth:`generate` adds its own requests while they wait."""
-        if not self.allocator.retain_pages:
+        if not self.allocator.retain_pages or self.hbm_policy == "lru":
             return
         self._queued = [k for p in prompts for k in block_keys(list(p)[:-1], self._page_space)]
         self.allocator.protect(self._queued)
 
     def _protect_waiting(self, waiting: dict[str, list[bytes]]) -> None:
         """Protects the pages of ``protect``'s prompts and of requests not yet admitted."""
-        if self.allocator.retain_pages:
+        if self.allocator.retain_pages and self.hbm_policy != "lru":
             self.allocator.protect([*self._queued, *itertools.chain(*waiting.values())])
 
     def _exact_keys(self, request: Request, num_tokens: int) -> list[bytes]:

@@ -44,11 +44,25 @@ def test_the_random_model_chat_loads_history_and_answers_like_recompute(
     check_turns(capsys.readouterr().out, 3, 32)
 
 
+def test_a_bad_hbm_table_stops_the_chat_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "engine.toml").write_text("[hbm]\npages = -3\n")
+    assert main([*TINY, "--script", "--config", str(tmp_path / "engine.toml")]) == 2
+    assert "kvstore chat: hbm.pages must be >= 0, got -3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
 def test_with_hbm_pages_later_turns_map_the_history_kept_in_the_pool(
-    capsys: pytest.CaptureFixture[str],
+    how: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = [*TINY, "--script", "--turns", "3", "--page-tokens", "32", "--max-tokens", "4"]
-    assert main([*args, "--hbm-pages", "64", "--metrics-listen", "127.0.0.1:0"]) == 0
+    if how == "flag":
+        args += ["--hbm-pages", "64"]
+    else:  # the [hbm] table of a TOML file
+        (tmp_path / "engine.toml").write_text('[hbm]\npages = 64\npolicy = "lru"\n')
+        args += ["--config", str(tmp_path / "engine.toml")]
+    assert main([*args, "--metrics-listen", "127.0.0.1:0"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if re.search(r"turn \d+:", line)]
     assert len(lines) == 3 and all("same reply" in line for line in lines), out

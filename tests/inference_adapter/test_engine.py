@@ -353,17 +353,19 @@ def test_a_resident_history_is_mapped_not_loaded_and_answers_like_recompute(
     assert engine.allocator.shared_pages > 0
 
 
-@pytest.mark.parametrize("lookahead", [0, 2])
+@pytest.mark.parametrize(
+    ("lookahead", "policy"), [(0, "scheduler_aware"), (2, "scheduler_aware"), (2, "lru")]
+)
 def test_queued_sessions_keep_their_resident_history_when_the_pool_evicts(
-    model: LlamaModel, lookahead: int
+    model: LlamaModel, lookahead: int, policy: str
 ) -> None:
     """Three sessions take turns, A's second turn queued behind B's and C's first ones; the
     pool keeps 8 idle pages, fewer than two sessions' 5 each. With the look-ahead the
     server names queued turns to the engine, whose pool evicts B's and C's pages before A's:
-    A's second turn maps its whole history. Without it, plain LRU evicts A's oldest pages
-    first, and A's turn maps nothing (the chain breaks at its first page). Replies equal
-    recompute either way."""
-    engine = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS, retain_pages=8)
+    A's second turn maps its whole history. Without it, or with the "lru" policy, plain LRU
+    evicts A's oldest pages first, and A's turn maps nothing (the chain breaks at its first
+    page). Replies equal recompute either way."""
+    engine = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS, retain_pages=8, hbm_policy=policy)
     sampling = SamplingParams(max_tokens=8)
     server = ChatServer(engine, sampling=sampling, lookahead=lookahead)
     recompute = Engine(model, num_pages=16, page_tokens=PAGE_TOKENS)
@@ -378,10 +380,15 @@ def test_queued_sessions_keep_their_resident_history_when_the_pool_evicts(
         assert turn.request.output == alone.output
     second = turns[-1].request
     history_pages = (len(second.prompt) - 6 - 1) // PAGE_TOKENS  # 47 tokens with KV: 5 pages
-    if lookahead:
+    if lookahead and policy == "scheduler_aware":
         assert second.loaded_from == {"hbm": history_pages} == {"hbm": 5}
     else:
         assert second.loaded_from == {} and second.num_resident_tokens == 0
+
+
+def test_an_unknown_pool_policy_is_refused_by_name(model: LlamaModel) -> None:
+    with pytest.raises(ValueError, match="hbm_policy must be one of lru, scheduler_aware; got 'x'"):
+        Engine(model, num_pages=4, page_tokens=PAGE_TOKENS, hbm_policy="x")
 
 
 def test_concurrent_sessions_with_one_system_prompt_hold_one_copy_of_its_pages(
