@@ -207,9 +207,13 @@ class LayerLoad:
             else:
                 self._run_moved(self._moves)
         except Exception:
-            log.warning(
-                "loading %d blocks failed; the engine recomputes", len(self._keys), exc_info=True
-            )
+            if self._cancelled:  # the engine took another path: nothing waits for this one
+                log.debug("a cancelled load of %d blocks ended", len(self._keys), exc_info=True)
+            else:
+                log.warning(
+                    "loading %d blocks failed; the engine recomputes", len(self._keys),
+                    exc_info=True,
+                )  # fmt: skip
             self._fail()
         finally:
             self._fetched()
