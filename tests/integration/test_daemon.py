@@ -8,6 +8,7 @@ SSD tier) and drives it with the client library, from this process and from work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -318,8 +319,12 @@ def test_a_scrape_after_a_chat_shows_the_gets_and_hits_kvstore_stats_shows(
 
 
 def arena_fds(pid: int) -> list[str]:
-    """What the process's descriptors of host arenas point at."""
-    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    """What the process's descriptors of host arenas point at (a descriptor the daemon
+    closes while they are listed, a socket or a file of its own, is skipped)."""
+    links = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            links.append(os.readlink(fd))
     return [link for link in links if "kvstore-arena" in link]
 
 
