@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import socket
-import urllib.request
 
 import pytest
 
 from kvstore.inference_adapter import Engine, LlamaModel, Request, SamplingParams
 from kvstore.inference_adapter.metrics import serve_engine_metrics
 from tests.inference_adapter.test_engine import PAGE_TOKENS, model, random_prompt
+from tests.support.daemon import scrape
 
 __all__ = ["model"]  # the fixture
-
-
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    return {name: float(value) for name, value in samples}
 
 
 def test_a_scrape_shows_the_pools_hits_evictions_residency_and_tokens_by_level(
