@@ -13,6 +13,7 @@ import random
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 import xxhash
 
 from kvstore.tiers import BlobTooLargeError, InvalidRangeError, TierClosedError
+from kvstore.tiers import host as host_module
 from kvstore.tiers.host import (
     HASHED_CHUNK_BYTES,
     HostTier,
@@ -200,6 +202,33 @@ async def test_prefault_fills_a_new_arena_and_the_partitions_stay_within_capacit
     async with HostTier(capacity, prefault=True) as host:
         await host.put(b"k", b"x")
     assert not host._prefaults  # aclose cancelled and awaited it
+
+
+async def test_prefaulting_leaves_the_event_loop_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk faults in a worker thread that lets go of the GIL: the loop turns while it
+    faults (``mmap.madvise`` held it, ~7 ms a 16 MiB chunk, so the daemon answered nothing
+    while a fresh arena faulted in). Not timed: held, no chunk would see the loop turn in
+    the middle half of its faulting; free, most do (a loaded machine may deschedule it)."""
+    faulting: list[tuple[float, float]] = []
+    populate = host_module._Arena.populate
+
+    def timed(arena: host_module._Arena, *args: int) -> None:
+        start = time.perf_counter()
+        populate(arena, *args)
+        faulting.append((start, time.perf_counter()))
+
+    monkeypatch.setattr(host_module._Arena, "populate", timed)
+    monkeypatch.setattr(host_module, "PREFAULT_CHUNK_BYTES", 64 * MIB)  # tens of ms each
+    async with HostTier(1024 * MIB, prefault=True) as host:  # 8 chunks fault in
+        turns: list[float] = []
+        await host.put(b"k", b"x")  # creates the arena: its pre-faulting starts
+        done = asyncio.ensure_future(host.prefaulted())
+        while not done.done():
+            await asyncio.sleep(0)
+            turns.append(time.perf_counter())
+    middles = [(start + (end - start) / 4, end - (end - start) / 4) for start, end in faulting]
+    turned = [any(low < at < high for at in turns) for low, high in middles]
+    assert len(turned) >= 4 and sum(turned) >= len(turned) / 2, turned
 
 
 async def test_puts_racing_the_prefault_all_land_while_the_tier_has_room() -> None:
