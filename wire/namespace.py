@@ -10,6 +10,7 @@ token only uses its own tenant's namespaces. Block keys themselves are computed 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -91,17 +92,24 @@ class ModelFingerprint:
         self.layout()  # the block must also fit the stored form's limits
 
     def layout(self) -> BlockLayout:
-        """The layout of one block of this model's KV.
+        """The layout of one block of this model's KV (made once per fingerprint).
 
         Raises:
             ValueError: The block exceeds the stored form's limits.
         """
+        return _layout(self)
+
+    def _layout(self) -> BlockLayout:
         return BlockLayout(
             self.num_layers, self.num_kv_heads, self.block_tokens, self.head_dim, self.dtype
         )
 
     def digest(self) -> bytes:
-        """SHA-256 of a canonical, versioned encoding of every field (32 bytes)."""
+        """SHA-256 of a canonical, versioned encoding of every field (32 bytes; computed once
+        per fingerprint: every block key of every request hashes it in)."""
+        return _model_digest(self)
+
+    def _digest(self) -> bytes:
         fields = {
             "model_name": self.model_name,
             "num_layers": self.num_layers,
@@ -202,8 +210,18 @@ class Namespace:
             raise ValueError(f"tenant must be a str, got {self.tenant!r}")
 
     def digest(self) -> bytes:
-        """SHA-256 over the model digest and the length-prefixed tenant (32 bytes)."""
+        """SHA-256 over the model digest and the length-prefixed tenant (32 bytes; computed
+        once per namespace)."""
+        return _namespace_digest(self)
+
+    def _digest(self) -> bytes:
         tenant = self.tenant.encode("utf-8")
         return hashlib.sha256(
             _NAMESPACE_DOMAIN + self.model.digest() + struct.pack("<Q", len(tenant)) + tenant
         ).digest()
+
+
+# Values are frozen, so what they derive is derived once (a process sees few models).
+_layout = functools.lru_cache(maxsize=256)(ModelFingerprint._layout)
+_model_digest = functools.lru_cache(maxsize=256)(ModelFingerprint._digest)
+_namespace_digest = functools.lru_cache(maxsize=1024)(Namespace._digest)
