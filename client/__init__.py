@@ -34,6 +34,7 @@ from kvstore.client.keys import (
     shard_keys,
 )
 from kvstore.client.sync import KVStoreClient
+from kvstore.client.transfer import Found
 from kvstore.client.wire import LookupResult, ServerInfo, Stats, TierStats, WriteStatus
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "CorruptBlockError",
     "DeadlineExceededError",
     "FailedPreconditionError",
+    "Found",
     "InvalidArgumentError",
     "KVStoreClient",
     "KVStoreError",

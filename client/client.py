@@ -8,7 +8,8 @@ Primitives, in the order an engine uses them:
    (``"stream"``). ``aclose()`` or ``async with`` ends it.
 2. ``register(namespace)`` -> the digest other calls carry (cached; a daemon that forgot it,
    e.g. after a restart, is answered by re-registering and retrying once, transparently).
-3. ``lookup(namespace, keys)`` -> how many leading blocks are held (``lookup_tiers``: and where).
+3. ``lookup(namespace, keys)`` -> how many leading blocks are held (``lookup_tiers``: and where;
+   ``find``: and the leading ones in host memory leased, one round trip, ``release`` after).
 4. ``get(namespace, keys, out=...)`` -> the leading held blocks' payloads (a miss is a shorter
    list); ``view(namespace, keys)`` / ``view_tensors(...)`` -> zero-copy views under a lease.
 5. ``put(namespace, keys, blocks, parent=...)`` -> one :class:`WriteStatus` per block.
@@ -43,6 +44,7 @@ from kvstore.client.shm import (
     check_payloads,
     require_torch,
 )
+from kvstore.client.transfer import Found
 from kvstore.client.wire import LookupResult, ServerInfo, Slots, Stats, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.blocks import ROOT_KEY
@@ -165,6 +167,17 @@ class AsyncKVStoreClient:
         """
         return await self._conn.register(namespace)
 
+    async def open_session(self, namespace: Namespace) -> bool:
+        """Registers ``namespace`` and opens its tenant's shm session now, as the first call
+        that needs them would: an engine calls this at start, so that no request pays for
+        them.
+
+        Returns:
+            Whether KV moves through shared memory (else it streams).
+        """
+        await self._conn.register(namespace)
+        return await self._conn.session(namespace.tenant) is not None
+
     async def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """How many leading blocks of a key chain the daemon holds (0 on a miss).
 
@@ -188,6 +201,68 @@ class AsyncKVStoreClient:
             return await self._conn.unary("Lookup", request, pb.LookupResponse, idempotent=True)
 
         return wire.lookup_result(await self._conn.in_namespace(namespace, lookup), len(keys))
+
+    async def find(self, namespace: Namespace, keys: Sequence[bytes]) -> Found:
+        """:meth:`lookup_tiers`, with the leading blocks already in host memory leased in
+        the same round trip (on the shm plane; the stream plane leases nothing): a loader's
+        one call for a host hit. ``found.host_blocks()`` says where they lie; blocks held
+        below host memory are not moved up (:meth:`host_blocks` them, or :meth:`prefetch`).
+        End the lease with :meth:`release`, within ``server_info.lease_seconds``.
+
+        Raises:
+            ValueError: A key is not 32 bytes.
+        """
+        keys = wire.check_keys(keys)
+        if not keys:
+            return Found(LookupResult(0, ()))
+        size = namespace.model.layout().payload_bytes
+
+        async def find(digest: bytes) -> Found:
+            session = await self._conn.session(namespace.tenant)
+            if session is None:
+                return Found(await self.lookup_tiers(namespace, keys))
+            return await transfer.find(self._conn, session, digest, keys, size, verify=self.verify)
+
+        return await self._conn.in_namespace(namespace, find)
+
+    def find_here(self, namespace: Namespace, keys: Sequence[bytes], lease_id: int) -> Found | None:
+        """:meth:`find` from the calling thread, with no event loop between (any thread, not
+        only the loop's): on a connection of its own to the tenant's shm session, under
+        ``lease_id`` (:func:`~kvstore.client.transfer.new_lease_id`). None when that cannot be
+        done now (no session or registered namespace yet, the daemon serves no calls there,
+        ``verify`` on): use :meth:`find`.
+
+        Raises:
+            KVStoreError: the call failed; the daemon may have granted the lease: release
+                ``lease_id``.
+        """
+        conn = self._conn
+        digest = conn.registered(namespace)
+        session = conn.sessions.get(namespace.tenant)
+        if digest is None or session is None or self.verify:
+            return None
+        calls = session.blocking_calls(conn.timeout)
+        if calls is None:
+            return None
+        size = namespace.model.layout().payload_bytes
+        keys = wire.check_keys(keys)
+        return transfer.find_here(conn, session, calls, digest, keys, size, lease_id)
+
+    async def release_lease(self, lease_id: int) -> None:
+        """Releases a lease by its id, in the background (e.g. after :meth:`find_here`
+        failed: the daemon may have granted it)."""
+        self._conn.release_soon(lease_id)
+
+    async def release(self, found: Found) -> None:
+        """Ends the lease :meth:`find` took (nothing when it took none): in the background
+        while the lease is sure to hold still, else waited for.
+
+        Raises:
+            UnknownLeaseError: the lease expired before this: what was read under it may
+                have been overwritten and must not be used.
+        """
+        if found.lease is not None:
+            await transfer.end_lease(self._conn, found.lease)
 
     async def prefetch(
         self, session_id: str, namespace: Namespace, chains: Sequence[Sequence[bytes]]
@@ -325,7 +400,7 @@ class AsyncKVStoreClient:
                     await leased.arena.copy_out(leased.slots, out[: len(leased.slots)], stream)
                     result = list(out[: len(leased.slots)])
             except BaseException:
-                await self._conn.release_quietly(leased.lease_id)
+                await self._conn.release_quietly(leased.lease_id, leased.session)
                 raise
             await transfer.end_lease(self._conn, leased)  # it expired: raises
             return result
@@ -405,10 +480,7 @@ class AsyncKVStoreClient:
 
         async with self._leased(namespace, keys) as leased:
             if leased is not None:
-                arena, slots = leased
-                yield tensors.HostBlocks(
-                    arena.tensor(0, arena.size), tuple(s[0] for s in slots), arena.mapped()
-                )
+                yield transfer.leased_blocks(*leased)
                 return
             size = namespace.model.layout().payload_bytes
             pinned = tensors.cuda_ready()
@@ -496,6 +568,6 @@ class AsyncKVStoreClient:
         try:
             yield leased.arena, leased.slots
         except BaseException:
-            await self._conn.release_quietly(leased.lease_id)
+            await self._conn.release_quietly(leased.lease_id, leased.session)
             raise
         await transfer.end_lease(self._conn, leased)  # it expired: raises

@@ -16,6 +16,9 @@
    from an arena the daemon no longer owns.
 5. ``release_soon(lease_id)``: ends a lease in the background, whatever happens to the
    caller; ``aclose`` waits for those releases.
+6. ``call(session, method, ...)``: the read path's calls (Lookup with a lease, Acquire,
+   Release) on the session's own socket when the daemon serves them there
+   (:mod:`kvstore.client.calls`: a round trip of tens of microseconds), else over gRPC.
 """
 
 from __future__ import annotations
@@ -209,6 +212,20 @@ class Connection:
             await asyncio.sleep(delay)
             attempt += 1
 
+    async def call(
+        self, session: ShmSession | None, method: str, request: Message, reply_type: type[M]
+    ) -> M:
+        """A read-path call, never retried: on ``session``'s socket when it carries calls,
+        else over gRPC. A connection that failed marks the daemon as possibly restarted."""
+        calls = None if session is None else session.calls
+        if calls is None or not calls.open:
+            return await self.unary(method, request, reply_type)
+        try:
+            return await calls.call(method, request, reply_type, self.timeout)
+        except TRANSIENT:
+            self._stale = True
+            raise
+
     async def unary_undone_on_cancel(
         self,
         method: str,
@@ -245,6 +262,13 @@ class Connection:
             digest = self._namespaces[namespace] = reply.namespace
         return digest
 
+    def registered(self, namespace: Namespace) -> bytes | None:
+        """The digest of ``namespace`` when it is registered and the connection looks fresh
+        (readable from any thread); None otherwise."""
+        if self._stale or self._stale_always:
+            return None
+        return self._namespaces.get(namespace)
+
     async def in_namespace(self, namespace: Namespace, call: Callable[[bytes], Awaitable[R]]) -> R:
         """Runs ``call(digest)``; when the daemon forgot the namespace or the shm session, or
         restarted meanwhile, shakes hands again, re-registers and runs it once more."""
@@ -277,6 +301,9 @@ class Connection:
         if self._stale or self._stale_always:
             await self.refresh()
         found = self.sessions.get(tenant)
+        if found is not None and found.calls is not None and not found.calls.open:
+            await self._drop_session(found)  # the daemon ended it: open another
+            found = None
         if found is not None or tenant in self._no_shm:
             return found
         if not self.shm_possible:
@@ -304,7 +331,7 @@ class Connection:
         info = self.info
         hello = Hello(self._token, tenant, self._staging_bytes, pin=self._can_pin())
         try:
-            opened = await ShmSession.open(info.shm_socket, hello)
+            opened = await ShmSession.open(info.shm_socket, hello, self._session_closed)
         except (OSError, SessionError) as error:
             self._cannot_map(info.shm_socket, str(error))
             if isinstance(error, SessionError):
@@ -316,6 +343,10 @@ class Connection:
             self._no_shm.add(tenant)
             return None
         return opened
+
+    def _session_closed(self) -> None:
+        """A session's socket closed under its calls: the daemon may have restarted."""
+        self._stale = True
 
     def _cannot_map(self, shm_socket: str, why: str) -> None:
         """Says why KV bytes stream instead of being mapped: once per connection at WARNING
@@ -338,15 +369,15 @@ class Connection:
                 f"{session.arena.arena_id.hex()[:16]}: the daemon restarted"
             )
 
-    def release_soon(self, lease_id: int) -> asyncio.Task[None]:
-        """Releases a lease in a task of its own (a cancelled caller cannot stop it); a
-        failure is logged, the lease then expires on the daemon."""
+    def release_soon(self, lease_id: int, session: ShmSession | None = None) -> asyncio.Task[None]:
+        """Releases a lease (on ``session``'s socket when it can) in a task of its own (a
+        cancelled caller cannot stop it); a failure is logged, the lease then expires on the
+        daemon."""
 
         async def release() -> None:
             try:
-                await self.unary(
-                    "Release", pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse
-                )
+                request = pb.ReleaseRequest(lease_id=lease_id)
+                await self.call(session, "Release", request, pb.ReleaseResponse)
             except KVStoreError as error:
                 log.debug("could not release lease %d: %s", lease_id, error)
 
@@ -355,9 +386,9 @@ class Connection:
         task.add_done_callback(self._releases.discard)
         return task
 
-    async def release_quietly(self, lease_id: int) -> None:
+    async def release_quietly(self, lease_id: int, session: ShmSession | None = None) -> None:
         """:meth:`release_soon`, waiting for it unless the caller is cancelled again."""
-        await asyncio.shield(self.release_soon(lease_id))
+        await asyncio.shield(self.release_soon(lease_id, session))
 
     async def refresh(self, *, force_sessions: bool = False) -> None:
         """Handshake; ends the shm sessions when the daemon is another process now (or when
@@ -371,6 +402,11 @@ class Connection:
             old, self._info = self._info, info
             if force_sessions or old is None or old.instance_id != info.instance_id:
                 await self._close_sessions()
+
+    async def _drop_session(self, session: ShmSession) -> None:
+        if self.sessions.get(session.tenant) is session:
+            del self.sessions[session.tenant]
+        await session.aclose()
 
     async def _close_sessions(self) -> None:
         sessions, self.sessions = self.sessions, {}

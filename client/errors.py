@@ -35,6 +35,7 @@ __all__ = [
     "UnknownLeaseError",
     "UnknownNamespaceError",
     "error_from_rpc",
+    "error_from_status",
 ]
 
 
@@ -143,12 +144,21 @@ def error_from_rpc(error: grpc.RpcError, method: str) -> KVStoreError:
     """
     code = _call_attr(error, "code")
     details = _call_attr(error, "details")
-    cls = _BY_CODE.get(code, KVStoreError) if isinstance(code, grpc.StatusCode) else KVStoreError
+    return error_from_status(
+        code if isinstance(code, grpc.StatusCode) else None,
+        details if isinstance(details, str) else "",
+        method,
+    )
+
+
+def error_from_status(code: grpc.StatusCode | None, details: str, method: str) -> KVStoreError:
+    """The client error for a call that ended with status ``code`` (None: unknown) and the
+    server's message ``details``, over gRPC or a session socket."""
+    cls = KVStoreError if code is None else _BY_CODE.get(code, KVStoreError)
     if cls is NotFoundError:
         cls = _NOT_FOUND_BY_METHOD.get(method, UnknownNamespaceError)
-    name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-    message = details if isinstance(details, str) and details else f"{method} failed: {name}"
-    return cls(message, code=code if isinstance(code, grpc.StatusCode) else None, method=method)
+    name = "UNKNOWN" if code is None else code.name
+    return cls(details or f"{method} failed: {name}", code=code, method=method)
 
 
 def _call_attr(error: grpc.RpcError, name: str) -> object:

@@ -38,12 +38,14 @@ import mmap
 import os
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, TypeAlias, TypeGuard, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.client.calls import BlockingCalls, SessionCalls
 from kvstore.client.errors import CorruptBlockError
 from kvstore.wire.blocks import payload_checksum
 from kvstore.wire.session import (
@@ -210,6 +212,8 @@ class _Mapping:
             from kvstore.client import tensors
 
             self._tensor = tensors.over(self._open_bytes())
+        if offset == 0 and length == self.size:
+            return self._tensor
         return self._tensor[offset : offset + length]
 
     def view(self, offset: int, length: int) -> memoryview:
@@ -449,23 +453,58 @@ class ShmSession:
         self.arena = arena
         self.staging = staging
         self.budget = StagingBudget(staging.size)
+        self.calls: SessionCalls | None = None  # the read path's calls, when the daemon serves them
         self._socket: socket.socket | None = sock
+        self._attach: tuple[str, Hello] | None = None  # where, and as whom, to attach more
+        self._blocking: BlockingCalls | None = None
+        self._attaching = threading.Lock()
 
     @property
     def session_id(self) -> bytes:
         return self.info.session
 
     @classmethod
-    async def open(cls, path: str, hello: Hello) -> ShmSession:
+    async def open(
+        cls, path: str, hello: Hello, on_closed: Callable[[], None] | None = None
+    ) -> ShmSession:
         """Opens a session on the daemon's session socket ``path``; with ``hello.pin`` the
         arena is registered with CUDA when it can be (:class:`Arena`), and the daemon keeps
-        its pages for as long as the session lasts.
+        its pages for as long as the session lasts. When the daemon serves calls on the
+        socket, ``calls`` carries them (:mod:`kvstore.client.calls`), and ``on_closed`` runs
+        once the daemon ends the session.
 
         Raises:
             OSError: the socket cannot be reached.
             SessionError: the daemon refused (its gRPC status name in ``code``).
         """
-        return await asyncio.to_thread(cls._open_blocking, path, hello)
+        session = await asyncio.to_thread(cls._open_blocking, path, hello)
+        if session.info.calls and session._socket is not None:
+            calls = SessionCalls(session._socket, on_closed)
+            try:
+                await calls.start()
+            except BaseException:
+                await session.aclose()
+                raise
+            session.calls = calls
+            attach = Hello(hello.token, hello.tenant, 0, session=session.info.session)
+            session._attach = (path, attach)
+        return session
+
+    def blocking_calls(self, timeout: float) -> BlockingCalls | None:
+        """The session's calls on a connection of their own, for the calling thread
+        (:class:`~kvstore.client.calls.BlockingCalls`), attached on first use; None when the
+        daemon serves no calls here, the session is closed, or attaching failed (not tried
+        again: the async calls serve)."""
+        with self._attaching:
+            if self._blocking is None and self._attach is not None and self.calls is not None:
+                path, hello = self._attach
+                self._attach = None  # one try
+                try:
+                    self._blocking = BlockingCalls.attach(path, hello, timeout)
+                except (OSError, SessionError) as error:
+                    log.info("no calls connection of its own for the shm session: %s", error)
+            blocking = self._blocking
+        return blocking if blocking is not None and blocking.open else None
 
     @classmethod
     def _open_blocking(cls, path: str, hello: Hello) -> ShmSession:
@@ -496,6 +535,14 @@ class ShmSession:
         """Ends the session: the daemon aborts what it left reserved; unmaps both areas. The
         arena is unregistered from CUDA first: the daemon keeps its pages until the end."""
         await self.arena.aclose()
+        calls, self.calls = self.calls, None
+        if calls is not None:
+            await calls.aclose()
+        with self._attaching:
+            self._attach = None
+            blocking, self._blocking = self._blocking, None
+        if blocking is not None:
+            blocking.close()
         sock, self._socket = self._socket, None
         if sock is not None:
             sock.close()

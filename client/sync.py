@@ -19,19 +19,24 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvstore.client.client import AsyncKVStoreClient
-from kvstore.client.errors import NotConnectedError
+from kvstore.client.connection import StaleArenaError
+from kvstore.client.errors import DeadlineExceededError, KVStoreError, NotConnectedError
 from kvstore.client.shm import caller_stream
+from kvstore.client.transfer import Found, new_lease_id
 from kvstore.client.wire import ServerInfo
+from kvstore.wire.namespace import Namespace
 
 __all__ = ["KVStoreClient"]
 
+log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -149,6 +154,37 @@ class KVStoreClient:
             with self._calls_lock:
                 self._calls.discard(future)
 
+    def open_session(self, namespace: Namespace) -> bool:
+        """:meth:`AsyncKVStoreClient.open_session`, and the session's calls connection of
+        this client's own (what :meth:`find` uses) attached now too."""
+        mapped = self._run(self._client.open_session(namespace))
+        session = self._client._conn.sessions.get(namespace.tenant)
+        if session is not None:
+            session.blocking_calls(self.timeout)
+        return mapped
+
+    def find(self, namespace: Namespace, keys: Sequence[bytes]) -> Found:
+        """:meth:`AsyncKVStoreClient.find`: from this thread on a calls connection of its own
+        to the shm session when it can (``find_here``: no crossing to the client's loop and
+        back), else on the loop, which also shakes hands again when the daemon restarted or
+        forgot the namespace. A daemon that does not answer in time is not asked twice.
+
+        Raises:
+            DeadlineExceededError: no answer within the client's timeout.
+        """
+        lease_id = new_lease_id()
+        try:
+            found = self._client.find_here(namespace, keys, lease_id)
+        except (KVStoreError, StaleArenaError) as error:
+            self._run(self._client.release_lease(lease_id))  # it may have been granted
+            if isinstance(error, DeadlineExceededError):
+                raise
+            log.debug("find on the calls connection failed (%s); on the loop instead", error)
+            found = None
+        if found is not None:
+            return found
+        return self._run(self._client.find(namespace, keys))
+
     def close(self) -> None:
         """Ends the calls other threads have in flight (``NotConnectedError``), closes the
         async client, then stops and closes the loop; again: no-op."""
@@ -210,6 +246,7 @@ class KVStoreClient:
     register = _blocking(AsyncKVStoreClient.register)
     lookup = _blocking(AsyncKVStoreClient.lookup)
     lookup_tiers = _blocking(AsyncKVStoreClient.lookup_tiers)
+    release = _blocking(AsyncKVStoreClient.release)
     get = _blocking_copies(AsyncKVStoreClient.get)
     put = _blocking_copies(AsyncKVStoreClient.put)
     prefetch = _blocking(AsyncKVStoreClient.prefetch)

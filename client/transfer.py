@@ -2,12 +2,14 @@
 
 shm (an shm session with the daemon is open):
 
-- reads: ``acquire`` -> (lease, slots in the arena) -> copy or view the slots ->
-  ``end_lease``. The lease id is chosen here, before the call, so that whatever happens to
-  the caller (a cancel, a timeout, a reply that never arrives) the lease is released by that
-  id in a task of its own: nothing stays held until it expires. A read that ends while the
-  lease is sure to hold still (``Leased.alive_until``) does not wait for the Release: one
-  round trip a read;
+- reads: ``acquire`` (or ``find``: a lookup that also leases what is in the arena) ->
+  (lease, slots in the arena) -> copy or view the slots -> ``end_lease``. On a session whose
+  socket carries calls, these go there (:mod:`kvstore.client.calls`), else over gRPC. The
+  lease id is chosen here, before the call, so that whatever happens to the caller (a
+  cancel, a timeout, a reply that never arrives) the lease is released by that id in a task
+  of its own: nothing stays held until it expires. A read that ends while the lease is sure
+  to hold still (``Leased.alive_until``) does not wait for the Release: one round trip a
+  read;
 - writes: ``put_shm``: Reserve -> copy the payloads into the session's staging slots ->
   Commit (the daemon copies them into the arena and checks them); Abort when anything fails
   before the commit or the commit itself fails (the daemon ignores the abort of keys it did
@@ -35,16 +37,31 @@ from typing import TYPE_CHECKING, TypeVar
 from google.protobuf.message import Message
 
 from kvstore.client import wire
+from kvstore.client.calls import BlockingCalls
 from kvstore.client.connection import Connection, UnknownSessionError
 from kvstore.client.errors import FailedPreconditionError, KVStoreError
-from kvstore.client.shm import Arena, Payload, ShmSession, TargetT
-from kvstore.client.wire import Slots, WriteStatus
+from kvstore.client.shm import Arena, Payload, ShmSession, TargetT, require_torch
+from kvstore.client.wire import LookupResult, Slots, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Leased", "acquire", "end_lease", "get_stream", "put_shm", "put_stream", "release"]
+    from kvstore.client.tensors import HostBlocks
+
+__all__ = [
+    "Found",
+    "Leased",
+    "acquire",
+    "end_lease",
+    "find",
+    "find_here",
+    "get_stream",
+    "leased_blocks",
+    "put_shm",
+    "put_stream",
+    "release",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +83,53 @@ class Leased:
     # time.monotonic() before which the lease cannot have expired: the Acquire's send time
     # plus the reply's expires_in (the daemon granted it after the send, on the same clock)
     alive_until: float = 0.0
+    session: ShmSession | None = None  # whose socket releases it (None: gRPC)
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A lookup's answer, with the lease of its leading blocks in host memory (``lease``:
+    None when none was taken: the first block is below the arena, or the client streams).
+    ``AsyncKVStoreClient.release`` ends the lease."""
+
+    result: LookupResult
+    lease: Leased | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """Leading blocks held, in any tier."""
+        return self.result.num_blocks
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Per held block, the highest tier holding it (at the lookup)."""
+        return self.result.tiers
+
+    @property
+    def num_leased(self) -> int:
+        """Leading blocks leased in host memory (the first of the held ones)."""
+        return 0 if self.lease is None else len(self.lease.slots)
+
+    def host_blocks(self) -> HostBlocks:
+        """Where the leased blocks lie, for a loader that moves them itself (see
+        ``AsyncKVStoreClient.host_blocks``); valid until the lease is released. Needs torch.
+
+        Raises:
+            ValueError: nothing is leased.
+        """
+        if self.lease is None:
+            raise ValueError("nothing is leased")
+        return leased_blocks(self.lease.arena, self.lease.slots)
+
+
+def leased_blocks(arena: Arena, slots: Slots) -> HostBlocks:
+    """Leased slots of ``arena`` as :class:`~kvstore.client.tensors.HostBlocks`: the whole
+    mapping, each block's offset, and the mapping as device kernels read it (when pinned)."""
+    require_torch("host_blocks")
+    from kvstore.client import tensors
+
+    source = arena.tensor(0, arena.size)
+    return tensors.HostBlocks(source, tuple(offset for offset, _ in slots), arena.mapped())
 
 
 def new_lease_id() -> int:
@@ -92,16 +156,115 @@ async def acquire(
     request = pb.AcquireRequest(namespace=digest, keys=keys, lease_id=lease_id)
     sent = time.monotonic()
     try:
-        reply = await conn.unary("Acquire", request, pb.AcquireResponse)
-        conn.check_fresh(session, "Acquire", reply.arena_id)
-        slots = wire.check_slots(reply.slots, len(keys), size, session.arena)
-        sums = wire.check_checksums(reply.checksums, len(slots))
-        if verify:
-            await session.arena.verify(slots, sums, "Acquire")
-    except BaseException:
-        await conn.release_quietly(lease_id)  # granted or not, it is released: nothing stays held
+        reply = await conn.call(session, "Acquire", request, pb.AcquireResponse)
+        return await _leased(conn, session, reply, len(keys), size, sent, "Acquire", verify)
+    except BaseException:  # granted or not, it is released: nothing stays held
+        await conn.release_quietly(lease_id, session)
         raise
-    return Leased(reply.lease_id, slots, sums, session.arena, sent + reply.expires_in)
+
+
+async def find(
+    conn: Connection,
+    session: ShmSession,
+    digest: bytes,
+    keys: list[bytes],
+    size: int,
+    *,
+    verify: bool = False,
+) -> Found:
+    """A lookup that leases the leading blocks already in the arena (one call for a host
+    hit; the rest is promoted by an :func:`acquire` of its own). The lease is None when the
+    daemon leased nothing (the first block is not in the arena).
+
+    Raises:
+        StaleArenaError, ProtocolError: as :func:`acquire`.
+    """
+    lease_id = new_lease_id()
+    request = pb.LookupRequest(namespace=digest, keys=keys, lease_id=lease_id)
+    sent = time.monotonic()
+    try:
+        reply = await conn.call(session, "Lookup", request, pb.LookupResponse)
+        found = _found(conn, session, reply, len(keys), size, sent)
+        if verify and found.lease is not None:
+            await _verify(found.lease, "Lookup")
+        return found
+    except BaseException:
+        await conn.release_quietly(lease_id, session)
+        raise
+
+
+def find_here(
+    conn: Connection,
+    session: ShmSession,
+    calls: BlockingCalls,
+    digest: bytes,
+    keys: list[bytes],
+    size: int,
+    lease_id: int,
+) -> Found:
+    """:func:`find` made from the calling thread on the session's calls connection of its
+    own (no event loop), under the lease id the caller chose; without ``verify``.
+
+    Raises:
+        KVStoreError, StaleArenaError: as :func:`find`; the caller then releases
+            ``lease_id`` (the daemon may have granted it).
+    """
+    request = pb.LookupRequest(namespace=digest, keys=keys, lease_id=lease_id)
+    sent = time.monotonic()
+    reply = calls.call("Lookup", request, pb.LookupResponse, conn.timeout)
+    return _found(conn, session, reply, len(keys), size, sent)
+
+
+def _found(
+    conn: Connection,
+    session: ShmSession,
+    reply: pb.LookupResponse,
+    num_keys: int,
+    size: int,
+    sent: float,
+) -> Found:
+    """The checked answer of a Lookup with a lease."""
+    found = wire.lookup_result(reply, num_keys)
+    if not reply.HasField("lease"):
+        return Found(found)
+    return Found(found, _lease(conn, session, reply.lease, found.num_blocks, size, sent, "Lookup"))
+
+
+async def _leased(
+    conn: Connection,
+    session: ShmSession,
+    reply: pb.AcquireResponse,
+    count: int,
+    size: int,
+    sent: float,
+    method: str,
+    verify: bool,
+) -> Leased:
+    """The checked lease of a reply (``count`` blocks at most, ``size`` bytes each)."""
+    leased = _lease(conn, session, reply, count, size, sent, method)
+    if verify:
+        await _verify(leased, method)
+    return leased
+
+
+def _lease(
+    conn: Connection,
+    session: ShmSession,
+    reply: pb.AcquireResponse,
+    count: int,
+    size: int,
+    sent: float,
+    method: str,
+) -> Leased:
+    conn.check_fresh(session, method, reply.arena_id)
+    slots = wire.check_slots(reply.slots, count, size, session.arena)
+    sums = wire.check_checksums(reply.checksums, len(slots))
+    alive_until = sent + reply.expires_in
+    return Leased(reply.lease_id, slots, sums, session.arena, alive_until, session)
+
+
+async def _verify(leased: Leased, method: str) -> None:
+    await leased.arena.verify(leased.slots, leased.checksums, method)
 
 
 async def end_lease(conn: Connection, leased: Leased) -> None:
@@ -115,12 +278,12 @@ async def end_lease(conn: Connection, leased: Leased) -> None:
             under it must not be used.
     """
     if time.monotonic() < leased.alive_until:
-        conn.release_soon(leased.lease_id)
+        conn.release_soon(leased.lease_id, leased.session)
     else:
-        await release(conn, leased.lease_id)
+        await release(conn, leased.lease_id, leased.session)
 
 
-async def release(conn: Connection, lease_id: int) -> None:
+async def release(conn: Connection, lease_id: int, session: ShmSession | None = None) -> None:
     """Ends a lease in a task a cancelled caller cannot stop.
 
     Raises:
@@ -128,7 +291,8 @@ async def release(conn: Connection, lease_id: int) -> None:
             reused meanwhile, so what was read under it must not be used.
     """
     request = pb.ReleaseRequest(lease_id=lease_id)
-    await asyncio.shield(asyncio.ensure_future(conn.unary("Release", request, pb.ReleaseResponse)))
+    call = conn.call(session, "Release", request, pb.ReleaseResponse)
+    await asyncio.shield(asyncio.ensure_future(call))
 
 
 async def get_stream(

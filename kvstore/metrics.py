@@ -149,11 +149,11 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                   "response_serializer": handler.response_serializer}  # fmt: skip
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._timed(method, handler.unary_unary), **codecs
+                self.timed(method, handler.unary_unary), **codecs
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                self._timed(method, handler.stream_unary), **codecs
+                self.timed(method, handler.stream_unary), **codecs
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
@@ -167,7 +167,9 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._latency.labels(method).observe(time.perf_counter() - started)
         self._calls.labels(method, name).inc()
 
-    def _timed(self, method: str, behavior: Any) -> Any:
+    def timed(self, method: str, behavior: Any) -> Any:
+        """``behavior`` (a unary method), its calls timed and counted under ``method``."""
+
         async def timed(request: Any, context: Any) -> Any:
             started, failed = time.perf_counter(), True
             try:

@@ -3,6 +3,8 @@ then released.
 
 1. ``lookup(keys, namespace)`` -> :class:`LookupResult`: how many leading blocks are held, and
    where (shared tiers such as Redis are asked live for keys the local index lacks);
+   ``lookup_and_lease`` also leases the leading ones already in the arena, as ``acquire``
+   would: a host hit is then one call;
 2. ``acquire(keys, namespace)`` -> :class:`Acquired`: the leading held blocks promoted into the
    host arena, their slots pinned and leased; a block already there costs no await. The
    caller reads the slots in place, then ``release(lease_id)`` ends the lease.
@@ -93,6 +95,31 @@ class ReadPath:
             held, rest = held + count, rest[count:]
         return LookupResult(held, tuple(runs))
 
+    async def lookup_and_lease(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        ttl: float | None,
+        *,
+        owner: object = None,
+        lease_id: int = 0,
+    ) -> tuple[LookupResult, Acquired | None]:
+        """:meth:`lookup`, with the leading blocks already in the arena leased as
+        :meth:`acquire` leases them: a host hit takes one call. Nothing is promoted: blocks
+        below the arena are only reported (the caller acquires them, or hints them). No lease
+        is granted (None) when the first block is not in the arena.
+        """
+        local = self.lookup_local(keys, namespace)
+        resident = 0
+        if self._host is not None and local.runs and local.runs[0][0] == self._top.name:
+            resident = local.runs[0][1]
+        acquired = None
+        if resident:  # no await before the blocks are pinned: nothing evicts them first
+            acquired = await self.acquire(keys[:resident], namespace, ttl, owner=owner,
+                                          lease_id=lease_id)  # fmt: skip
+        found = local if local.num_blocks == len(keys) else await self.lookup(keys, namespace)
+        return found, acquired
+
     # -- acquire and release ----------------------------------------------------------------
 
     async def acquire(
@@ -124,6 +151,8 @@ class ReadPath:
         budget = LoopBudget()
         try:
             for key in keys:
+                if tried:  # between blocks, not after the last: a one-block call never yields
+                    await budget.tick()  # the blocks so far are leased: nothing evicts them
                 tried += 1
                 node = find(key, namespace)
                 if node is not None and node.live and top in node.tiers:
@@ -147,7 +176,6 @@ class ReadPath:
                     misses += 1  # held, but no room in the arena for it
                     break
                 slots.append(slot)
-                await budget.tick()  # the blocks so far are leased: nothing evicts them
         except BaseException:
             self._unpin(slots)
             raise

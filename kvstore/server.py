@@ -49,7 +49,14 @@ from kvstore.config import (
 from kvstore.errors import StoreError, UnauthenticatedError
 from kvstore.metrics import LoopLag, RpcMetrics, serve_metrics
 from kvstore.service import KVStoreService
-from kvstore.servicer import STATUS_CODES, KVStoreServicer, Metadata, add_to_server, status_of
+from kvstore.servicer import (
+    STATUS_CODES,
+    KVStoreServicer,
+    Metadata,
+    SessionCalls,
+    add_to_server,
+    status_of,
+)
 from kvstore.sessions import SessionServer
 from kvstore.sockets import (
     check_tcp_addresses,
@@ -227,7 +234,8 @@ async def create_server(config: Config, store: BlockStore) -> RunningServer:
     health_servicer = TierHealthServicer(store)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     addresses, paths = _bind_all(server, config.server)
-    sessions = _sessions(config, store, service, authenticator, paths)
+    calls = SessionCalls(servicer, None if rpcs is None else rpcs.timed)
+    sessions = _sessions(config, store, service, authenticator, paths, calls)
     if sessions is not None:
         await sessions.start()
         service.sessions = sessions
@@ -289,6 +297,7 @@ def _sessions(
     service: KVStoreService,
     authenticator: Authenticator,
     paths: tuple[Path, ...],
+    calls: SessionCalls,
 ) -> SessionServer | None:
     """The shm-session server beside the first unix socket, when there is a host tier."""
     if not paths or not store.has_arena:
@@ -303,6 +312,7 @@ def _sessions(
         instance_id=service.instance_id,
         max_staging_bytes=config.server.max_staging_bytes,
         max_sessions=config.server.max_sessions,
+        calls=calls,
     )
 
 

@@ -38,9 +38,9 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, TypeVar
 
 from kvstore import __version__
 from kvstore.budget import LoopBudget
@@ -76,6 +76,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_LEASE_SECONDS = 3600.0
 MAX_PREFETCH_TASKS = 64  # hints past this many in flight are dropped (they are only hints)
@@ -294,21 +295,36 @@ class KVStoreService:
             ResourceExhaustedError: the tenant holds ``MAX_LEASES`` leases.
             NoArenaError: the daemon has no host tier.
         """
-        self.layout_of(namespace, tenant=tenant)
-        check_keys(keys)
-        ttl = self._ttl(lease_seconds)
-        if self._store.leases_of(tenant) >= MAX_LEASES:
-            raise ResourceExhaustedError(
-                f"tenant {tenant!r} holds {MAX_LEASES} leases; release some first"
-            )
+        ttl = self._lease_checks(namespace, keys, lease_seconds, tenant)
         work = asyncio.ensure_future(
             self._store.acquire(keys, namespace, ttl, owner=tenant, lease_id=lease_id)
         )
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            self._release_when_done(work, tenant)
-            raise
+        return await self._shielded(work, tenant, lambda acquired: acquired)
+
+    async def lookup_and_lease(
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        lease_seconds: float = 0.0,
+        *,
+        tenant: str | None = None,
+        lease_id: int = 0,
+    ) -> tuple[LookupResult, Acquired | None]:
+        """:meth:`lookup`, and the leading blocks already in the arena leased as
+        :meth:`acquire` leases them (nothing promoted; None when the first block is not in
+        the arena): a host hit in one call.
+
+        Raises:
+            InvalidRequestError, ResourceExhaustedError, NoArenaError: as :meth:`acquire`.
+        """
+        ttl = self._lease_checks(namespace, keys, lease_seconds, tenant)
+        work = asyncio.ensure_future(
+            self._store.lookup_and_lease(keys, namespace, ttl, owner=tenant, lease_id=lease_id)
+        )
+        found, acquired = await self._shielded(work, tenant, lambda answer: answer[1])
+        self._lookups += 1
+        self._lookup_hit_blocks += found.num_blocks
+        return found, acquired
 
     async def release(self, lease_id: int, *, tenant: str | None = None) -> None:
         """Ends one of the caller's leases.
@@ -752,11 +768,44 @@ class KVStoreService:
             )
         return lease_seconds or self._server.lease_ttl
 
-    def _release_when_done(self, work: asyncio.Future[Acquired], tenant: str | None) -> None:
+    def _lease_checks(
+        self, namespace: bytes, keys: Sequence[bytes], lease_seconds: float, tenant: str | None
+    ) -> float:
+        """Checks a leasing call's arguments and the tenant's lease count; the lease's TTL."""
+        self.layout_of(namespace, tenant=tenant)
+        check_keys(keys)
+        ttl = self._ttl(lease_seconds)
+        if self._store.leases_of(tenant) >= MAX_LEASES:
+            raise ResourceExhaustedError(
+                f"tenant {tenant!r} holds {MAX_LEASES} leases; release some first"
+            )
+        return ttl
+
+    async def _shielded(
+        self,
+        work: asyncio.Future[T],
+        tenant: str | None,
+        lease_of: Callable[[T], Acquired | None],
+    ) -> T:
+        """``work``'s answer; a caller that goes away (deadline, cancel) gets its
+        cancellation at once, and the lease ``work`` grants is released when it is done."""
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            self._release_when_done(work, tenant, lease_of)
+            raise
+
+    def _release_when_done(
+        self,
+        work: asyncio.Future[T],
+        tenant: str | None,
+        lease_of: Callable[[T], Acquired | None],
+    ) -> None:
         async def release() -> None:
             with contextlib.suppress(Exception):
-                acquired = await work
-                await self._store.release(acquired.lease.lease_id, owner=tenant)
+                acquired = lease_of(await work)
+                if acquired is not None:
+                    await self._store.release(acquired.lease.lease_id, owner=tenant)
 
         task = asyncio.create_task(release(), name=f"release-abandoned-{next(self._task_ids)}")
         self._cleanups.add(task)

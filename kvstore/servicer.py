@@ -21,9 +21,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -46,15 +46,24 @@ from kvstore.errors import (
 )
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
+from kvstore.results import Acquired
 from kvstore.service import KVStoreService
 from kvstore.wire import chunks
 from kvstore.wire.blocks import BlockLayout, BlockSpec
 from kvstore.wire.chunks import GetChunk
 from kvstore.wire.namespace import ModelFingerprint
 from kvstore.wire.results import PutStatus
+from kvstore.wire.session import CALLS
 from kvstore.writes import Landing
 
-__all__ = ["STATUS_CODES", "KVStoreServicer", "Metadata", "add_to_server", "status_of"]
+__all__ = [
+    "STATUS_CODES",
+    "KVStoreServicer",
+    "Metadata",
+    "SessionCalls",
+    "add_to_server",
+    "status_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +157,66 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _SessionContext:
+    """What the servicer's methods use of a gRPC context, for a call on a session socket:
+    the session's token as the call's metadata, and an abort that ends the call with its
+    status."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._code: grpc.StatusCode | None = None
+
+    def invocation_metadata(self) -> Metadata:
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        raise _Aborted(code, details)
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+
+Behavior: TypeAlias = Callable[[object, Any], Awaitable[Message]]
+
+
+class SessionCalls:
+    """The calls a shm session's socket carries (:data:`kvstore.wire.session.CALLS`): the
+    servicer's own methods, run with a :class:`_SessionContext`, so that they check and
+    answer exactly as over gRPC; a :class:`~kvstore.sessions.SessionServer`'s ``calls``.
+
+    Args:
+        servicer: The daemon's servicer.
+        timed: Wraps each method as the gRPC server's metrics interceptor does (None: as is).
+    """
+
+    def __init__(
+        self,
+        servicer: KVStoreServicer,
+        timed: Callable[[str, Behavior], Behavior] | None = None,
+    ) -> None:
+        self._methods: dict[str, tuple[Behavior, Callable[[bytes], object]]] = {}
+        for name in CALLS:
+            behavior: Behavior = getattr(servicer, name)
+            parse = _parser(getattr(pb, f"{name}Request"))
+            self._methods[name] = (behavior if timed is None else timed(name, behavior), parse)
+
+    async def __call__(self, method: str, body: bytes, token: str) -> tuple[int, bytes]:
+        """``(0, reply)`` or ``(a gRPC status code's number, the error's text)``."""
+        behavior, parse = self._methods[method]
+        try:
+            reply = await behavior(parse(body), _SessionContext(token))
+        except _Aborted as aborted:
+            return aborted.code.value[0], aborted.details.encode()
+        return 0, reply.SerializeToString()
+
+
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     """The ``kvstore.v1.KVStore`` service over a :class:`KVStoreService`.
 
@@ -207,9 +276,20 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request: object, context: Context) -> pb.LookupResponse:
         async with self._call(context) as tenant:
             request = checked(request, pb.LookupRequest)
-            found = await self._service.lookup(request.namespace, list(request.keys), tenant=tenant)
+            namespace, keys = request.namespace, list(request.keys)
+            acquired = None
+            if request.lease_id:
+                found, acquired = await self._service.lookup_and_lease(
+                    namespace, keys, request.lease_seconds, tenant=tenant,
+                    lease_id=request.lease_id,
+                )  # fmt: skip
+            else:
+                found = await self._service.lookup(namespace, keys, tenant=tenant)
             runs = [pb.TierRun(tier=tier, blocks=count) for tier, count in found.runs]
-            return pb.LookupResponse(num_blocks=found.num_blocks, runs=runs)
+            reply = pb.LookupResponse(num_blocks=found.num_blocks, runs=runs)
+            if acquired is not None:
+                _fill_lease(reply.lease, acquired)
+            return reply
 
     async def Acquire(self, request: object, context: Context) -> pb.AcquireResponse:
         async with self._call(context) as tenant:
@@ -221,15 +301,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 tenant=tenant,
                 lease_id=request.lease_id,
             )
-            reply = pb.AcquireResponse(
-                lease_id=acquired.lease.lease_id,
-                expires_in=_seconds_until(acquired.lease.expires_at),
-                arena_id=acquired.arena_id,
-                checksums=acquired.checksums,
-            )
-            add = reply.slots.add  # built in place: half the cost of new Slot messages
-            for slot in acquired.slots:
-                add(offset=slot.offset, length=slot.length)
+            reply = pb.AcquireResponse()
+            _fill_lease(reply, acquired)
             return reply
 
     async def Release(self, request: object, context: Context) -> pb.ReleaseResponse:
@@ -548,6 +621,17 @@ def _scaling_value(entry: pb.RopeScaling) -> str | float:
     if kind is None:
         raise InvalidRequestError(f"rope_scaling {entry.name!r} has no value")
     return entry.number if kind == "number" else entry.text
+
+
+def _fill_lease(reply: pb.AcquireResponse, acquired: Acquired) -> None:
+    """``reply`` (a new message, or a field of one) says what ``acquired`` leased."""
+    reply.lease_id = acquired.lease.lease_id
+    reply.expires_in = _seconds_until(acquired.lease.expires_at)
+    reply.arena_id = acquired.arena_id
+    reply.checksums.extend(acquired.checksums)
+    add = reply.slots.add  # built in place: half the cost of new Slot messages
+    for slot in acquired.slots:
+        add(offset=slot.offset, length=slot.length)
 
 
 def _seconds_until(deadline: float) -> float:

@@ -14,6 +14,11 @@ What a session gives a client, and nothing more:
 ``SessionServer`` owns the socket and the sessions: ``start()`` binds it (mode
 ``socket_mode``) and accepts; each connection authenticates once with a bearer token (or,
 without tokens, names its tenant), gets its two descriptors, and stays open as the session.
+Given ``calls``, it also answers the read path's control calls on the session's connection
+(:data:`~kvstore.wire.session.CALLS`, framed gRPC messages; the protocol is in
+:mod:`kvstore.wire.session`): each one runs in a task of its own, as the caller the hello's
+token names, at most ``MAX_CALLS_IN_FLIGHT`` at once per session (then the connection is not
+read until one ends).
 ``get(session_id, tenant)`` finds a caller's session (a session of another tenant is "not
 found"); when a connection closes, ``on_close(session)`` lets the service abort what the
 session left reserved, and the staging area is unmapped once no copy reads it.
@@ -45,7 +50,11 @@ from kvstore.sockets import prepare_socket_path, set_access
 from kvstore.store import BlockStore
 from kvstore.tiers.allocator import ArenaAllocator, Slot
 from kvstore.wire.session import (
+    CALLS,
+    FRAME,
+    MAX_FRAME_BYTES,
     MAX_LINE_BYTES,
+    Hello,
     SessionError,
     SessionInfo,
     decode_hello,
@@ -58,6 +67,9 @@ __all__ = ["Session", "SessionServer"]
 log = logging.getLogger(__name__)
 
 HELLO_SECONDS = 5.0  # a connection that has not said hello by then is dropped
+MAX_CALLS_IN_FLIGHT = 64  # per session
+# (method, request body, the hello's token) -> (status: 0 or a gRPC code's number, reply body)
+CallHandler = Callable[[str, bytes, str], Awaitable[tuple[int, bytes]]]
 PAGE = mmap.PAGESIZE
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _CODES: dict[type[StoreError], str] = {
@@ -71,9 +83,10 @@ _CODES: dict[type[StoreError], str] = {
 class Session:
     """One client's staging area and the reservations it has in flight."""
 
-    def __init__(self, tenant: str, staging_bytes: int, peer: str) -> None:
+    def __init__(self, tenant: str, staging_bytes: int, peer: str, token: str = "") -> None:
         self.id = secrets.token_bytes(16)
         self.tenant = tenant
+        self.token = token  # the hello's: the session's calls run as its caller
         self.peer = peer
         self.staging_bytes = staging_bytes
         self._fd = os.memfd_create("kvstore-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -146,6 +159,7 @@ class SessionServer:
         instance_id: Names this daemon process (as the Handshake does).
         max_staging_bytes: The most staging one session may have.
         max_sessions: The most sessions open at once.
+        calls: Answers a session's calls (None: the socket serves none).
     """
 
     def __init__(
@@ -160,8 +174,10 @@ class SessionServer:
         instance_id: bytes,
         max_staging_bytes: int,
         max_sessions: int,
+        calls: CallHandler | None = None,
     ) -> None:
         self.path = path
+        self._calls = calls
         self._mode, self._gid = socket_mode, socket_gid
         self._store = store
         self._tenant_of = tenant_of
@@ -243,7 +259,11 @@ class SessionServer:
             peer = _peer(conn)
             try:
                 line = await asyncio.wait_for(_read_line(loop, conn), HELLO_SECONDS)
-                session = self._open(line, peer)
+                hello = decode_hello(line)
+                if hello.session:  # a calls-only connection of an open session
+                    await self._serve_attached(loop, conn, hello, peer)
+                    return
+                session = self._open(hello, peer)
                 await self._welcome(loop, conn, session)
             except (TimeoutError, OSError) as error:
                 log.info("shm session from %s dropped before it opened: %s", peer, error)
@@ -260,32 +280,112 @@ class SessionServer:
                     await self._end(session)
                 return
             try:
-                while await loop.sock_recv(conn, 4096):
-                    pass  # the session lasts until the client closes the connection
+                if self._calls is None:
+                    while await loop.sock_recv(conn, 4096):
+                        pass  # the session lasts until the client closes the connection
+                else:
+                    await self._answer_calls(conn, session, self._calls, session.token)
             except OSError:
                 pass
             finally:
                 await self._end(session)
 
-    def _open(self, line: bytes, peer: str) -> Session:
-        hello = decode_hello(line)
+    async def _serve_attached(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, hello: Hello, peer: str
+    ) -> None:
+        """A further connection of an open session that only carries its calls, as the
+        caller its own token names; closing it ends nothing else."""
+        if self._calls is None:
+            raise SessionError("FAILED_PRECONDITION", "this daemon serves no calls on sessions")
+        caller = self._caller(hello)
+        tenant = hello.tenant if caller is None else caller
+        session = self._sessions.get(hello.session)
+        if session is None or session.closed or session.tenant != tenant:
+            raise SessionError(
+                "FAILED_PRECONDITION",
+                f"no open shm session {hello.session.hex()[:16]} of tenant {tenant!r} to attach to",
+            )
+        await loop.sock_sendall(conn, encode_welcome(self._info(session)))
+        log.debug("calls attached to shm session %s by %s", session.id.hex()[:8], peer)
+        with contextlib.suppress(OSError):
+            await self._answer_calls(conn, session, self._calls, hello.token)
+
+    async def _answer_calls(
+        self, conn: socket.socket, session: Session, calls: CallHandler, token: str
+    ) -> None:
+        """Reads call frames until the client closes the connection (or breaks the
+        protocol), answering each from a task of its own."""
+        reader, writer = await asyncio.open_unix_connection(sock=conn)
+        in_flight: set[asyncio.Task[None]] = set()
+        room = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(FRAME.size)
+                except asyncio.IncompleteReadError:
+                    return  # closed by the client
+                length, call_id, method = FRAME.unpack(header)
+                if length > MAX_FRAME_BYTES or not 0 < method <= len(CALLS):
+                    log.warning("shm session %s: a frame of %d bytes for method %d; closing it",
+                                session.id.hex()[:8], length, method)  # fmt: skip
+                    return
+                body = await reader.readexactly(length)
+                await room.acquire()
+                task = asyncio.create_task(
+                    self._answer(writer, calls, CALLS[method - 1], call_id, body, token),
+                    name="shm-session-call",
+                )
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+                task.add_done_callback(lambda _: room.release())
+        finally:
+            for task in in_flight:
+                task.cancel()  # a lease granted to a call cancelled here is released
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            writer.close()
+
+    @staticmethod
+    async def _answer(
+        writer: asyncio.StreamWriter,
+        calls: CallHandler,
+        method: str,
+        call_id: int,
+        body: bytes,
+        token: str,
+    ) -> None:
+        status, reply = await calls(method, body, token)
+        if not writer.is_closing():
+            writer.write(FRAME.pack(len(reply), call_id, status) + reply)
+            await writer.drain()
+
+    def _caller(self, hello: Hello) -> str | None:
+        """The tenant the hello's token names (None: tokens are off).
+
+        Raises:
+            SessionError: an unknown token, or one of another tenant than ``hello.tenant``.
+        """
         try:
             caller = self._tenant_of(hello.token)
             if caller is not None and hello.tenant not in ("", caller):
                 raise PermissionDeniedError(
                     f"a token of tenant {caller!r} cannot open a session for {hello.tenant!r}"
                 )
-            if len(self._sessions) >= self._max_sessions:
-                raise ResourceExhaustedError(
-                    f"{len(self._sessions)} shm sessions are open (server.max_sessions)"
-                )
         except StoreError as error:
             raise SessionError(_code(error), str(error)) from None
+        return caller
+
+    def _open(self, hello: Hello, peer: str) -> Session:
+        caller = self._caller(hello)
+        if len(self._sessions) >= self._max_sessions:
+            raise SessionError(
+                "RESOURCE_EXHAUSTED",
+                f"{len(self._sessions)} shm sessions are open (server.max_sessions)",
+            )
         tenant = hello.tenant if caller is None else caller
         if not self._store.has_arena:
             raise SessionError("FAILED_PRECONDITION", "the daemon has no host tier")
         wanted = min(hello.staging_bytes or self._max_staging, self._max_staging)
-        session = Session(tenant, max(PAGE, -(-wanted // PAGE) * PAGE), peer)
+        session = Session(tenant, max(PAGE, -(-wanted // PAGE) * PAGE), peer, hello.token)
         self._sessions[session.id] = session
         if hello.pin:  # before the arena is sent: no page of it is given back from now on
             session.keeps_pages = True
@@ -297,7 +397,12 @@ class SessionServer:
         arena = self._store.arena(session.tenant)
         assert arena is not None
         return SessionInfo(
-            self._instance_id, session.id, arena.arena_id, arena.size, session.staging_bytes
+            self._instance_id,
+            session.id,
+            arena.arena_id,
+            arena.size,
+            session.staging_bytes,
+            calls=self._calls is not None,
         )
 
     async def _welcome(

@@ -425,6 +425,27 @@ class BlockStore:
         self._check_arena()
         return await self.reads.acquire(keys, namespace, ttl, owner=owner, lease_id=lease_id)
 
+    async def lookup_and_lease(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        ttl: float | None = None,
+        *,
+        owner: object = None,
+        lease_id: int = 0,
+    ) -> tuple[LookupResult, Acquired | None]:
+        """A lookup that also leases the leading blocks in the arena: see
+        :meth:`ReadPath.lookup_and_lease`.
+
+        Raises:
+            NoArenaError: the store has no host tier.
+            InvalidRequestError: ``lease_id`` names a live lease of ``owner``.
+        """
+        self._check_arena()
+        return await self.reads.lookup_and_lease(
+            keys, namespace, ttl, owner=owner, lease_id=lease_id
+        )
+
     def held(
         self, keys: Sequence[bytes], namespace: bytes, block_bytes: int
     ) -> AsyncGenerator[HeldBlock, None]:

@@ -18,6 +18,19 @@ gRPC cannot pass file descriptors, so the daemon also listens on a unix socket o
 
 3. the connection stays open: it *is* the session. When the client closes it (or dies), the
    daemon aborts the session's reservations and drops its staging area.
+4. calls: a welcome with ``"calls": true`` also serves the read path's control calls on this
+   connection, at a fraction of a gRPC call's cost (tens of microseconds, not hundreds):
+   ``CALLS`` (``Lookup``, ``Acquire``, ``Release``), their gRPC messages in frames. A request
+   is ``FRAME`` (body bytes, call id, method: its index in ``CALLS`` plus one) and the
+   request message; a reply is ``FRAME`` (body bytes, the same call id, status: 0 for OK,
+   else a gRPC status code's number) and the reply message, or the error's UTF-8 text.
+   Calls may overlap; replies come as they are ready, matched by call id. They run as the
+   session's caller (the hello's token), with gRPC's checks and answers. A frame over
+   ``MAX_FRAME_BYTES``, or a method not in ``CALLS``, ends the session.
+5. attaching: a hello that names an open session (``"session": "<hex>"``, with the token
+   and tenant that opened it) opens a further connection that only carries its calls (a
+   thread of the client that calls without going through the client's event loop): the
+   welcome comes without descriptors, and closing it ends nothing but itself.
 
 ``code`` is a gRPC status name: the daemon sends INVALID_ARGUMENT, UNAUTHENTICATED,
 PERMISSION_DENIED, RESOURCE_EXHAUSTED, FAILED_PRECONDITION or INTERNAL; the client raises
@@ -29,10 +42,14 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "CALLS",
+    "FRAME",
+    "MAX_FRAME_BYTES",
     "MAX_LINE_BYTES",
     "VERSION",
     "Hello",
@@ -49,6 +66,9 @@ __all__ = [
 VERSION = 1
 MAX_LINE_BYTES = 64 * 1024
 SUFFIX = ".shm"
+CALLS = ("Lookup", "Acquire", "Release")  # on the wire: index + 1
+FRAME = struct.Struct("<IIB")  # body bytes, call id, method (request) or status (reply)
+MAX_FRAME_BYTES = 16 << 20  # a Lookup of the most keys a call takes is ~2.3 MiB
 
 
 class SessionError(Exception):
@@ -67,6 +87,7 @@ class Hello:
     tenant: str
     staging_bytes: int
     pin: bool = False  # the client registers the arena with CUDA: keep its pages
+    session: bytes = b""  # attach a calls-only connection to this open session
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +99,7 @@ class SessionInfo:
     arena_id: bytes
     arena_bytes: int
     staging_bytes: int
+    calls: bool = False  # the daemon answers CALLS on the session socket
 
 
 def session_path(socket_path: str) -> str:
@@ -93,6 +115,8 @@ def encode_hello(hello: Hello) -> bytes:
         "staging_bytes": hello.staging_bytes,
         "pin": hello.pin,
     }
+    if hello.session:
+        message["session"] = hello.session.hex()
     return _line(message)
 
 
@@ -107,11 +131,12 @@ def decode_hello(line: bytes) -> Hello:
         raise SessionError(
             "INVALID_ARGUMENT", f"version must be {VERSION}, got {message.get('version')!r}"
         )
-    token, tenant, staging, pin = (
+    token, tenant, staging, pin, session = (
         message.get("token"),
         message.get("tenant"),
         message.get("staging_bytes"),
         message.get("pin", False),
+        message.get("session", ""),
     )
     if not isinstance(token, str) or not isinstance(tenant, str):
         raise SessionError("INVALID_ARGUMENT", "token and tenant must be strings")
@@ -121,7 +146,13 @@ def decode_hello(line: bytes) -> Hello:
         )
     if not isinstance(pin, bool):
         raise SessionError("INVALID_ARGUMENT", f"pin must be true or false, got {pin!r}")
-    return Hello(token, tenant, staging, pin)
+    try:
+        attach = bytes.fromhex(session) if isinstance(session, str) else None
+    except ValueError:
+        attach = None
+    if attach is None:
+        raise SessionError("INVALID_ARGUMENT", f"session must be a hex string, got {session!r}")
+    return Hello(token, tenant, staging, pin, attach)
 
 
 def encode_welcome(info: SessionInfo) -> bytes:
@@ -132,6 +163,7 @@ def encode_welcome(info: SessionInfo) -> bytes:
         "arena_id": info.arena_id.hex(),
         "arena_bytes": info.arena_bytes,
         "staging_bytes": info.staging_bytes,
+        "calls": info.calls,
     }
     return _line(message)
 
@@ -156,6 +188,7 @@ def decode_reply(line: bytes) -> SessionInfo:
             arena_id=bytes.fromhex(str(message["arena_id"])),
             arena_bytes=int(str(message["arena_bytes"])),
             staging_bytes=int(str(message["staging_bytes"])),
+            calls=message.get("calls") is True,
         )
     except (KeyError, TypeError, ValueError) as error:
         raise SessionError("INTERNAL", f"malformed session reply: {error}") from None

@@ -80,16 +80,16 @@ def slow_releases(
     """Makes each Release of ``client`` start ``delay`` seconds late; the event is set when
     one is about to wait."""
     conn = client._conn
-    real = conn.unary
+    real = conn.call  # the read path's calls, over the session socket or gRPC
     releasing = asyncio.Event()
 
-    async def slow_release(method: str, *args: object, **kwargs: object) -> object:
+    async def slow_release(session: object, method: str, *args: object) -> object:
         if method == "Release":
             releasing.set()
             await asyncio.sleep(delay)
-        return await real(method, *args, **kwargs)
+        return await real(session, method, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(conn, "unary", slow_release)
+    monkeypatch.setattr(conn, "call", slow_release)
     return releasing
 
 
@@ -189,21 +189,21 @@ async def test_an_acquire_whose_reply_never_arrives_is_released_by_its_id(
     async with AsyncKVStoreClient(daemon.address) as client:
         await client.put(namespace, keys, blocks)
         conn = client._conn
-        real = conn.unary
+        real = conn.call
         granted: list[int] = []
 
-        async def lost_reply(method: str, *args: object, **kwargs: object) -> object:
-            reply = await real(method, *args, **kwargs)
+        async def lost_reply(session: object, method: str, *args: object) -> object:
+            reply = await real(session, method, *args)  # type: ignore[arg-type]
             if method == "Acquire":
                 granted.append(reply.lease_id)  # type: ignore[attr-defined]
                 raise asyncio.CancelledError  # as if the caller gave up just before the reply
             return reply
 
-        monkeypatch.setattr(conn, "unary", lost_reply)
+        monkeypatch.setattr(conn, "call", lost_reply)
         with pytest.raises(asyncio.CancelledError):
             await client.get(namespace, keys)
         assert len(granted) == 1 and daemon.store.stats().active_leases <= 1
-        monkeypatch.setattr(conn, "unary", real)
+        monkeypatch.setattr(conn, "call", real)
         assert await daemon.leases_drain() == 0
 
 

@@ -1,6 +1,7 @@
 """Failures: retries of idempotent calls only, daemon restarts, tokens, TLS.
 
-Channel failures are injected by a stub wrapper (the only mock here); restarts are real.
+Channel failures are injected by a stub wrapper, and on shm session sockets by a wrapper of
+their calls (the only mocks here); restarts are real.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -28,6 +30,7 @@ from kvstore.client import (
     block_keys,
 )
 from kvstore.client import connection as connection_module
+from kvstore.client.calls import SessionCalls
 from tests.support.daemon import Daemon, running_daemon
 from tests.support.net import free_port, self_signed
 
@@ -64,6 +67,22 @@ def flaky(
     stub = FlakyStub(client._conn.stub, failures, code)
     client._conn._stub = stub  # type: ignore[assignment]
     return stub
+
+
+def flaky_session_calls(monkeypatch: pytest.MonkeyPatch, **failures: int) -> Counter[str]:
+    """The first ``failures[method]`` calls on shm session sockets fail as a connection that
+    went away does (UNAVAILABLE); returns the calls made, per method."""
+    real, calls, left = SessionCalls.call, Counter[str](), dict(failures)
+
+    async def call(self: SessionCalls, method: str, *args: Any) -> Any:
+        calls[method] += 1
+        if left.get(method, 0) > 0:
+            left[method] -= 1
+            raise UnavailableError("injected", method=method)
+        return await real(self, method, *args)
+
+    monkeypatch.setattr(SessionCalls, "call", call)
+    return calls
 
 
 def chain(namespace: Namespace, count: int, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
@@ -172,14 +191,18 @@ async def test_a_streamed_put_is_never_retried(
 
 
 async def test_an_acquire_is_never_retried_but_the_get_stream_is(
-    daemon: Daemon, client: AsyncKVStoreClient, small_namespace: Namespace, delays: list[float]
+    daemon: Daemon,
+    client: AsyncKVStoreClient,
+    small_namespace: Namespace,
+    delays: list[float],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     keys, blocks = chain(small_namespace, 2)
     await client.put(small_namespace, keys, blocks)
-    stub = flaky(client, Acquire=1)
+    calls = flaky_session_calls(monkeypatch, Acquire=1)  # the shm plane's Acquire goes there
     with pytest.raises(UnavailableError):
         await client.get(small_namespace, keys)
-    assert stub.calls["Acquire"] == 1
+    assert calls["Acquire"] == 1
     assert await client.get(small_namespace, keys) == blocks  # the next call works
 
     async with AsyncKVStoreClient(daemon.address, use_shm=False) as streamer:

@@ -4,9 +4,11 @@ bob's token, against a real daemon that holds alice's blocks.
 The attacker (``tests/support/attacker.py``, a child process) tries everything a co-located
 engine could: find an arena under /dev/shm, open the daemon's descriptors or memory through
 /proc, open a shm session for alice with bob's token, scan bob's own arena for alice's bytes,
-write or reopen that arena writable, and, over gRPC, use alice's namespace, probe alice's keys for
-existence (DEDUP) or squat on them. Each attempt reports what happened; the test asserts
-every one failed, and that alice still reads exactly what she wrote.
+write or reopen that arena writable, attach to alice's session or use her namespace and lease
+through the session socket's calls (and break that protocol), and, over gRPC, use alice's
+namespace, probe alice's keys for existence (DEDUP) or squat on them. Each attempt reports
+what happened; the test asserts every one failed, and that alice still reads exactly what
+she wrote.
 
 Run as root, the attacker drops to uid/gid 65534 first (the threat model: engines run as
 other users than the daemon). Run as an ordinary user it stays that user, and the checks
@@ -74,11 +76,16 @@ def test_another_tenant_can_neither_read_nor_write_nor_probe_alices_kv(tmp_path:
                 metadata=auth,
             )
             assert reserved.reservations[0].status == pb.RESERVED
+        # ... and a lease of her blocks, taken with a lookup.
+        alice_lease = KVStoreClient(daemon.address, token="alice-secret")
+        alice_lease.connect()
+        found = alice_lease.find(ALICE, keys)
+        assert found.lease is not None and found.num_leased == len(keys)
         assert daemon.proc is not None
         done = subprocess.run(
             [sys.executable, "-P", str(ATTACKER), daemon.address, str(daemon.proc.pid),
              ",".join(k.hex() for k in keys), MARK.hex(), opened.session_id.hex(),
-             pending.hex()],
+             pending.hex(), str(found.lease.lease_id)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
@@ -99,6 +106,17 @@ def test_another_tenant_can_neither_read_nor_write_nor_probe_alices_kv(tmp_path:
         for name in ("commit_alice_key_in_bob_ns", "abort_alice_reservation"):
             assert report[name].endswith("FAILED_PRECONDITION"), report  # not bob's session
         assert report["commit_alice_key_with_bobs_session"] == ["EXPIRED"]  # not bob's
+        for name in ("attach_alice_session", "attach_no_token"):
+            assert report[name].startswith("refused: SessionError"), report
+        for name in ("lane_lookup_alice_ns", "lane_acquire_alice_ns"):
+            assert report[name] == "refused: PermissionDeniedError StatusCode.PERMISSION_DENIED"
+        assert report["lane_release_alice_lease"] == (
+            "refused: UnknownLeaseError StatusCode.NOT_FOUND"
+        ), report
+        assert report["frame_too_large"] == report["frame_unknown_method"] == "closed", report
+        # Alice's lease survived bob's Release: hers to end, once.
+        alice_lease.release(found)
+        alice_lease.close()
         assert report["bob_lookup_of_alice_keys"] == 0
         assert report["bob_get_of_alice_keys"] == 0
         assert report["bob_put_of_alice_key"] == "STORED"

@@ -1,5 +1,6 @@
 """Tenant bob's process attacking alice's KV: ``python attacker.py ADDRESS DAEMON_PID
-ALICE_KEYS MARK ALICE_SESSION PENDING_KEY`` (hex arguments) prints one JSON report.
+ALICE_KEYS MARK ALICE_SESSION PENDING_KEY ALICE_LEASE`` (hex arguments, the lease in
+decimal) prints one JSON report.
 
 Run by ``tests/integration/test_isolation.py``, which asserts every attempt failed. As root it
 first drops to uid/gid 65534, the engine of another user the threat model is about. Every
@@ -17,12 +18,13 @@ from collections.abc import Callable
 
 import grpc
 
-from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, PermissionDeniedError
+from kvstore.client import KVStoreClient, KVStoreError, ModelFingerprint, Namespace
+from kvstore.client.calls import BlockingCalls
 from kvstore.client.shm import ShmSession
 from kvstore.client.wire import fingerprint_message
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.protos.kvstore.v1 import kvstore_pb2_grpc
-from kvstore.wire.session import Hello, SessionError
+from kvstore.wire.session import FRAME, MAX_FRAME_BYTES, Hello, SessionError
 
 MODEL = ModelFingerprint("isolation", 2, 2, 64, "float16", block_tokens=16)
 AUTH = (("authorization", "Bearer bob-secret"),)
@@ -33,7 +35,7 @@ def attempt(report: Report, name: str, action: Callable[[], object]) -> None:
     """Runs ``action``; records "refused: <error> <code>" or "ALLOWED: <result>"."""
     try:
         result = action()
-    except (OSError, SessionError, PermissionDeniedError, grpc.RpcError) as error:
+    except (OSError, SessionError, KVStoreError, grpc.RpcError) as error:
         code = getattr(error, "code", None)
         code = code() if callable(code) else code
         report[name] = f"refused: {type(error).__name__} {code or ''}".strip()
@@ -82,6 +84,44 @@ def sessions(report: Report, path: str, mark: bytes) -> ShmSession:
     attempt(report, "reopen_arena_writable", lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDWR))
     attempt(report, "truncate_staging", lambda: os.ftruncate(session.staging._fd, 0))
     return session
+
+
+def session_calls(
+    report: Report,
+    path: str,
+    own: bytes,
+    alice_session: bytes,
+    alice_keys: list[bytes],
+    alice_lease: int,
+) -> None:
+    """The read path's calls on the session socket: attached to alice's session (with bob's
+    token, or none), then on bob's own, naming alice's namespace and her lease; then frames
+    that break the protocol."""
+    for name, token in (("attach_alice_session", "bob-secret"), ("attach_no_token", "")):
+        hello = Hello(token, "alice", 0, session=alice_session)
+        attempt(report, name, lambda h=hello: BlockingCalls.attach(path, h, 5.0))  # type: ignore[misc]
+    calls = BlockingCalls.attach(path, Hello("bob-secret", "bob", 0, session=own), 5.0)
+    alice_ns = Namespace(MODEL, "alice").digest()
+    lookup = pb.LookupRequest(namespace=alice_ns, keys=alice_keys, lease_id=12345)
+    attempt(report, "lane_lookup_alice_ns",
+            lambda: calls.call("Lookup", lookup, pb.LookupResponse, 5.0))  # fmt: skip
+    acquire = pb.AcquireRequest(namespace=alice_ns, keys=alice_keys)
+    attempt(report, "lane_acquire_alice_ns",
+            lambda: calls.call("Acquire", acquire, pb.AcquireResponse, 5.0))  # fmt: skip
+    release = pb.ReleaseRequest(lease_id=alice_lease)
+    attempt(report, "lane_release_alice_lease",
+            lambda: calls.call("Release", release, pb.ReleaseResponse, 5.0))  # fmt: skip
+    calls.close()
+    for name, frame in (
+        ("frame_too_large", FRAME.pack(MAX_FRAME_BYTES + 1, 1, 1)),
+        ("frame_unknown_method", FRAME.pack(0, 1, 99)),
+    ):
+        attached = BlockingCalls.attach(path, Hello("bob-secret", "bob", 0, session=own), 5.0)
+        sock = attached._sock
+        assert sock is not None
+        sock.sendall(frame)
+        report[name] = "closed" if sock.recv(16) == b"" else "answered"
+        attached.close()
 
 
 def namespaces(
@@ -137,6 +177,7 @@ def main(argv: list[str]) -> None:
     address, pid = argv[1], int(argv[2])
     alice_keys = [bytes.fromhex(k) for k in argv[3].split(",")]
     mark, alice_session, pending = (bytes.fromhex(a) for a in argv[4:7])
+    alice_lease = int(argv[7])
     if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(65534)
@@ -148,6 +189,8 @@ def main(argv: list[str]) -> None:
         shake = stub.Handshake(pb.HandshakeRequest(), metadata=AUTH)
         session = sessions(report, shake.shm_socket, mark)
         spaces = namespaces(report, stub, alice_keys)
+        session_calls(report, shake.shm_socket, session.session_id, alice_session,
+                      alice_keys, alice_lease)  # fmt: skip
         reservations(report, stub, spaces, (alice_session, session.session_id), pending)
     as_bob(report, address, alice_keys)
     print(json.dumps(report))

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.launch import kvstore_command
 
-__all__ = ["Daemon", "running_daemon"]
+__all__ = ["Daemon", "rpcs", "running_daemon", "scrape"]
 
 
 class Daemon:
@@ -194,3 +195,13 @@ def scrape(port: int) -> dict[str, float]:
         text = reply.read().decode()
     samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     return {name: float(value) for name, value in samples}
+
+
+def rpcs(metrics: dict[str, float]) -> Counter[str]:
+    """Calls per method in a :func:`scrape` (over gRPC and shm session sockets alike), every
+    status code together."""
+    calls: Counter[str] = Counter()
+    for name, value in metrics.items():
+        if name.startswith("kvstore_rpcs_total{"):
+            calls[name.split('method="')[1].split('"')[0]] += int(value)
+    return calls

@@ -97,22 +97,28 @@ class RegisterNamespaceResponse(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "lease_id", "lease_seconds")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    lease_id: int
+    lease_seconds: float
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_id: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_blocks", "tiers", "runs")
+    __slots__ = ("num_blocks", "tiers", "runs", "lease")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
     runs: _containers.RepeatedCompositeFieldContainer[TierRun]
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., runs: _Optional[_Iterable[_Union[TierRun, _Mapping]]] = ...) -> None: ...
+    lease: AcquireResponse
+    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., runs: _Optional[_Iterable[_Union[TierRun, _Mapping]]] = ..., lease: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
 
 class TierRun(_message.Message):
     __slots__ = ("tier", "blocks")

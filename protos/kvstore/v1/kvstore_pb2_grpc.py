@@ -134,7 +134,8 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """How many leading blocks of a key chain are held, and in which tiers.
+        """How many leading blocks of a key chain are held, and in which tiers; with a lease_id,
+        the leading ones in the host arena are leased too (one call for a host hit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
