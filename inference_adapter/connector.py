@@ -2,17 +2,20 @@
 
 Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfaces`):
 
-1. ``num_loadable_tokens``: block keys of the prompt (``block_keys``), one ``lookup_tiers``
-   call; the answer is the held leading blocks, capped so at least one prompt token is
-   computed. A request with a ``reuse`` plan (a truncated chat) looks up the plan's keys
-   instead: KV computed at other positions, placed at the plan's. A daemon that cannot be
-   reached answers 0 (counted in ``lookup_errors``), never an exception.
-2. ``start_load``: a :class:`~kvstore.inference_adapter.loader.LayerLoad` on a worker thread
-   fetches those blocks and writes them into the request's first pages layer by layer:
-   a plain copy for a prefix hit (stored K is after RoPE, at the positions it was computed
-   at, so the pool gets back the engine's own bits in every dtype), K re-rotated by the
-   shift for blocks a reuse plan moves; ``request.loaded_from`` counts the blocks by the
-   tier they were found in.
+1. ``num_loadable_tokens``: block keys of the prompt (``block_keys``), one ``find`` call: the
+   held leading blocks and their tiers, those already in the arena leased in the same round
+   trip (on the shm session's own socket when the daemon serves calls there); the answer is
+   the held leading blocks, capped so at least one prompt token is computed. A request with
+   a ``reuse`` plan (a truncated chat) looks up the plan's keys instead: KV computed at other
+   positions, placed at the plan's. A daemon that cannot be reached answers 0 (counted in
+   ``lookup_errors``), never an exception.
+2. ``start_load``: a :class:`~kvstore.inference_adapter.loader.LayerLoad` (which leases on a
+   worker thread whatever the lookup did not: blocks below the arena) writes them into the
+   request's first pages layer by layer, on its worker thread, or on the engine's when the
+   engine waits for a layer the worker has not begun: a plain copy for a prefix hit (stored
+   K is after RoPE, at the positions it was computed at, so the pool gets back the engine's
+   own bits in every dtype), K re-rotated by the shift for blocks a reuse plan moves;
+   ``request.loaded_from`` counts the blocks by the tier they were found in.
 3. ``wait_for_layer_load``: layer ``i`` is in the pool (``True``), or the load failed or
    timed out (``False``, and the loader no longer touches the pool: the engine recomputes).
    When the daemon gave only a leading part of the blocks (evicted since the lookup), layer
@@ -48,8 +51,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.client import ROOT_KEY, KVStoreClient, Namespace, block_keys
+from kvstore.client import ROOT_KEY, Found, KVStoreClient, Namespace, block_keys
 from kvstore.inference_adapter.core.saver import SaveCounts, SaveJob, SaveQueue, ready_event
+from kvstore.inference_adapter.core.timeline import HitTimeline, now
 from kvstore.inference_adapter.core.transfer import staging_for
 from kvstore.inference_adapter.interfaces import Request
 from kvstore.inference_adapter.loader import (
@@ -97,6 +101,9 @@ class _Plan:
     tiers: tuple[str, ...] = ()  # per load key, the tier it was found in
     known: set[bytes] = field(default_factory=set)  # keys the store holds or was handed
     load: LayerLoad | None = None
+    timeline: HitTimeline | None = None
+    found: Found | None = None  # the lookup, with the lease of the blocks it found in the arena
+    worker: bool = False  # the load's worker thread was started
 
 
 class StoreConnector:
@@ -151,6 +158,10 @@ class StoreConnector:
         self._counts_lock = threading.Lock()
         self._deferred_hints: list[tuple[str, list[list[bytes]]]] = []
         self._hints_lock = threading.Lock()
+        try:  # now, not in the first request's lookup
+            client.open_session(namespace)
+        except Exception as error:  # the daemon is down: the first lookup tries again
+            log.warning("kvstore: cannot open a session with the daemon yet: %s", error)
 
     @property
     def pool(self) -> PoolHandles:
@@ -180,11 +191,16 @@ class StoreConnector:
             return
         chosen = block_pages(pages, range(num_blocks), self._per_block)
         deadline = time.monotonic() + self.load_timeout_s
+        if plan.timeline is not None:
+            plan.timeline.load_started = now()
         if plan.load is None or not plan.load.start(chosen, deadline):
             self._count("refetches")  # its lease was let go while it waited: fetch again
             load = self._fetch(plan).load
             if load is not None:  # a new load takes its pages whenever it is fetched
                 load.start(chosen, deadline)
+        elif not plan.worker:  # its thread writes alongside the engine from now on
+            plan.worker = True
+            self._loads.submit(plan.load.run)
         request.loaded_from = dict(Counter(plan.tiers[:num_blocks]))
         self._count("loaded_blocks", num_blocks)
 
@@ -261,10 +277,7 @@ class StoreConnector:
             return
 
         def look_up() -> _Plan:
-            plan = self._lookup(request)
-            if plan.load_keys:
-                self._fetch(plan)
-            return plan
+            return self._fetch(self._lookup(request), queued=True)
 
         self._prepared[request.request_id] = self._lookups.submit(look_up)
 
@@ -292,8 +305,11 @@ class StoreConnector:
             self._deferred_hints.append((session_id, [list(chain) for chain in chains]))
 
     def _hints_in_background(self) -> None:
-        """Sends the deferred hints from a worker thread: never on the engine's or a load's
-        critical path."""
+        """Sends the deferred hints, if any, from a worker thread: never on the engine's or
+        a load's critical path (and no thread is woken when there are none)."""
+        with self._hints_lock:
+            if not self._deferred_hints:
+                return
         with contextlib.suppress(RuntimeError):  # the connector is closed
             self._loads.submit(self._send_deferred_hints)
 
@@ -353,20 +369,24 @@ class StoreConnector:
             if len(fresh.load_keys) > len(plan.load_keys):
                 self._drop_load(plan)
                 return self._fetch(fresh)
+            self._release(fresh.found)
         return plan
 
     def _lookup(self, request: Request) -> _Plan:
         """Which leading blocks of the request the store holds (no lease yet); an empty
         plan when the daemon cannot be reached (counted in ``lookup_errors``)."""
         candidates, stored_at = self._candidates(request)
+        timeline = self._timeline(request)
+        timeline.lookup_sent = now()
         try:
-            found = self.client.lookup_tiers(self.namespace, candidates)
+            found = self.client.find(self.namespace, candidates)
         except Exception:
             log.warning(
                 "lookup of request %s failed; computing it", request.request_id, exc_info=True
             )
             self._count("lookup_errors")
-            return _Plan()
+            return _Plan(timeline=timeline)
+        timeline.lookup_answered = now()
         held = candidates[: found.num_blocks]
         usable = min(len(held), self._most_blocks(request))
         return _Plan(
@@ -374,26 +394,52 @@ class StoreConnector:
             stored_at=stored_at[:usable],
             tiers=found.tiers[:usable],
             known=set(held),
+            timeline=timeline,
+            found=found,
         )
+
+    def _timeline(self, request: Request) -> HitTimeline:
+        """The request's timeline; one from now when the engine gave none."""
+        if request.timeline is None:
+            request.timeline = HitTimeline(self._pool.num_layers)
+        return request.timeline
 
     def _most_blocks(self, request: Request) -> int:
         """The most blocks a load may give: at least one prompt token is computed."""
         return (len(request.prompt) - 1) // self.block_tokens
 
-    def _fetch(self, plan: _Plan) -> _Plan:
-        """Starts leasing the plan's blocks on a worker thread (when it has any)."""
-        if plan.load_keys:
-            plan.load = LayerLoad(
-                self.client,
-                self.namespace,
-                self._pool,
-                plan.load_keys,
-                self._moves(plan.stored_at),
-                hold_s=self._hold_s,
-                on_fetched=self._hints_in_background,
-            )
+    def _fetch(self, plan: _Plan, *, queued: bool = False) -> _Plan:
+        """Starts leasing the plan's blocks on a worker thread (when it has any); the load
+        owns the lookup's lease from then on (a plan with nothing to load ends it now). The
+        worker starts now when it has blocks to lease, or when the request is ``queued`` (it
+        lets the lease go if the request waits too long); else with the load."""
+        found, plan.found = plan.found, None
+        if not plan.load_keys:
+            self._release(found)
+            return plan
+        plan.load = LayerLoad(
+            self.client,
+            self.namespace,
+            self._pool,
+            plan.load_keys,
+            self._moves(plan.stored_at),
+            hold_s=self._hold_s,
+            on_fetched=self._hints_in_background,
+            timeline=plan.timeline,
+            found=found,
+        )
+        plan.worker = queued or not plan.load.in_hand  # the lease overlaps the queue's wait
+        if plan.worker:
             self._loads.submit(plan.load.run)
         return plan
+
+    def _release(self, found: Found | None) -> None:
+        """Ends a lookup's lease that no load took."""
+        if found is not None and found.lease is not None:
+            try:
+                self.client.release(found)
+            except Exception:  # it expires on the daemon
+                log.debug("releasing a lookup's lease failed", exc_info=True)
 
     @staticmethod
     def _drop_load(plan: _Plan) -> None:

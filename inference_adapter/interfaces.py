@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstore.client import KeySalt
+from kvstore.inference_adapter.core.timeline import HitTimeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,7 @@ class Request:
     loaded_from: dict[str, int] = field(default_factory=dict)  # level (hbm, host, ...) -> blocks
     ttft_s: float = 0.0  # admission to first token
     finished: bool = False
+    timeline: HitTimeline | None = None  # arrival to first token (the engine's, on submit)
 
 
 class KVConnector(Protocol):

@@ -34,6 +34,7 @@ import triton.language as tl
 
 __all__ = [
     "DeviceReadable",
+    "LayerCopies",
     "gather_pages",
     "load_layer",
     "load_layer_reference",
@@ -165,38 +166,93 @@ def load_layer_reference(
     Each run of consecutive pages a block goes to is one copy of its rows, K and V together
     when ``k`` and ``v`` are two halves of one tensor (the engine's pool, vLLM's split
     layout), straight from the source into the pages (one copy per byte; a block whose pages
-    follow each other is one copy). Every copy of the layer goes in one
-    ``torch._foreach_copy_`` call: a Python ``copy_`` each cost ~10 us beside a ~35 us copy
-    of 512 KiB.
+    follow each other is one copy): :class:`LayerCopies` for this one layer.
     """
     _check(offsets, k, v, pages)
-    if source.dtype != torch.uint8 or source.dim() != 1:
-        raise ValueError(f"source must be a flat uint8 tensor, got {source.dtype} {source.shape}")
-    item = k.element_size()
-    if bool((offsets % item).any()):
-        raise ValueError(f"offsets must be multiples of the {k.dtype} item size ({item} B)")
-    typed = source[: source.numel() // item * item].view(k.dtype)
-    _, page_tokens, heads, head_dim = k.shape
-    per_block = pages.size(1)
-    page = page_tokens * heads * head_dim  # elements of one page of K (or V)
-    rows = ((page, heads * head_dim, head_dim, 1), (page_tokens, heads, head_dim))
-    both = _as_pair(k, v)
-    targets: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    # A block's layer: [2, pages_per_block, page_tokens, kv_heads, head_dim]
-    for offset, block_pages in zip((offsets // item).tolist(), _runs(pages), strict=True):
-        for first, at, count in block_pages:
-            start = offset + first * page
+    LayerCopies(source, offsets.tolist(), k, pages).write(0, k, v)
+
+
+class LayerCopies:
+    """The torch reference's work for every layer of one load, planned once: ``pages``
+    (``[num_blocks, pages_per_block]`` int64) take blocks whose layer-0 slice lies at byte
+    ``offsets[b]`` of ``source`` (a flat uint8 CPU tensor), layer ``i``'s ``i * layer_bytes``
+    further. The checks, the page runs and the element offsets are worked out here, so
+    :meth:`write` is a view per run and one ``torch._foreach_copy_`` call (a Python
+    ``copy_`` each cost ~10 us beside a ~35 us copy of 512 KiB).
+
+    Args:
+        source: The memory the blocks lie in.
+        offsets: Byte offset of each block's layer-0 slice.
+        k: One layer's K pages ``[num_pages, page_tokens, kv_heads, head_dim]`` (their shape
+            and dtype; every layer written must be alike).
+        pages: ``[num_blocks, pages_per_block]`` int64, -1 where the engine computes.
+        layer_bytes: Bytes from one layer's slice of a block to the next.
+
+    Raises:
+        ValueError: ``source`` is not a flat uint8 tensor, or an offset or ``layer_bytes``
+            is not a multiple of the item size.
+    """
+
+    def __init__(
+        self,
+        source: torch.Tensor,
+        offsets: list[int],
+        k: torch.Tensor,
+        pages: torch.Tensor,
+        layer_bytes: int = 0,
+    ) -> None:
+        if source.dtype != torch.uint8 or source.dim() != 1:
+            raise ValueError(
+                f"source must be a flat uint8 tensor, got {source.dtype} {source.shape}"
+            )
+        item = k.element_size()
+        if any(offset % item for offset in offsets) or layer_bytes % item:
+            raise ValueError(f"offsets must be multiples of the {k.dtype} item size ({item} B)")
+        self._typed = source[: source.numel() // item * item].view(k.dtype)
+        self._shape, self._dtype = k.shape, k.dtype
+        _, page_tokens, heads, head_dim = k.shape
+        self._per_block = pages.size(1)
+        self._page = page_tokens * heads * head_dim  # elements of one page of K (or V)
+        self._rows = ((self._page, heads * head_dim, head_dim, 1), (page_tokens, heads, head_dim))
+        self._layer_items = layer_bytes // item
+        # (first element of the run in the source, its first page, pages in the run)
+        self._runs = [
+            (offset // item + first * self._page, at, count)
+            for offset, block_runs in zip(offsets, _runs(pages), strict=True)
+            for first, at, count in block_runs
+        ]
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> None:
+        """Layer ``layer`` of every block into its pages of ``k`` and ``v`` (``pair``: both
+        as one ``[2, num_pages, ...]`` view, when the caller has it; else it is looked for).
+
+        Raises:
+            ValueError: ``k`` or ``v`` is not shaped like the ``k`` the plan was made for.
+        """
+        if k.shape != self._shape or v.shape != self._shape or k.dtype != self._dtype:
+            raise ValueError(
+                f"k and v must be {list(self._shape)} {self._dtype}, got {list(k.shape)} "
+                f"{k.dtype} and {list(v.shape)} {v.dtype}"
+            )
+        shift, typed, rows = layer * self._layer_items, self._typed, self._rows
+        both = _as_pair(k, v) if pair is None else pair
+        v_apart = self._per_block * self._page  # from a block's K to its V, in elements
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        # A block's layer: [2, pages_per_block, page_tokens, kv_heads, head_dim]
+        for start, at, count in self._runs:
             if both is not None:
-                shape, strides = (2, count, *rows[1]), (per_block * page, *rows[0])
-                sources.append(typed.as_strided(shape, strides, start))
-                targets.append(both[:, at : at + count])
+                shape, strides = (2, count, *rows[1]), (v_apart, *rows[0])
+                sources.append(typed.as_strided(shape, strides, start + shift))
+                targets.append(both.narrow(1, at, count))
                 continue
             for part, target in enumerate((k, v)):
-                at_part = start + part * per_block * page
+                at_part = start + shift + part * v_apart
                 sources.append(typed.as_strided((count, *rows[1]), rows[0], at_part))
-                targets.append(target[at : at + count])
-    torch._foreach_copy_(targets, sources)
+                targets.append(target.narrow(0, at, count))
+        torch._foreach_copy_(targets, sources)
 
 
 def _as_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -209,12 +265,7 @@ def _as_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
 
 
 def _runs(pages: torch.Tensor) -> list[list[tuple[int, int, int]]]:
-    """:func:`_page_runs` of every block; one run each when every block's pages follow each
-    other (the common case, found without a Python loop over pages)."""
-    follow = pages.size(1) == 1 or bool((pages[:, 1:] - pages[:, :-1] == 1).all())
-    if follow and bool((pages[:, 0] >= 0).all()):
-        count = pages.size(1)
-        return [[(0, first, count)] for first in pages[:, 0].tolist()]
+    """:func:`_page_runs` of every block (one run each when its pages follow each other)."""
     return [_page_runs(block) for block in pages.tolist()]
 
 

@@ -242,6 +242,11 @@ _DELEGATED = [
         "bench blocks: prefix hits on ShareGPT chats per store block size (the unsaved tail)",
     ),
     (
+        "bench hit",
+        "kvstore.inference_adapter.bench.hit",
+        "bench hit: a store hit's time against a copy of its bytes, phase by phase",
+    ),
+    (
         "dataset fetch",
         "kvstore.inference_adapter.bench.sharegpt",
         "dataset fetch: download ShareGPT V3 for `kvstore bench chat --dataset sharegpt`",

@@ -14,38 +14,46 @@ every block into its pages in one step:
   (:func:`~kvstore.kernels.transfer.load_layer`): no staging copy, no copy per block;
 - CUDA, unregistered memory: the layer's slices are gathered on the host, sent in one copy,
   and the same kernel scatters them on the device;
-- CPU: each run of consecutive pages is copied straight from the arena (one copy per byte).
+- CPU: each run of consecutive pages is copied straight from the arena (one copy per byte),
+  the copies of every layer planned once per load (one ``torch._foreach_copy_`` a layer).
 
 On CUDA the work is queued on the current stream; the caller orders it and must not release
 the lease before it is done. :class:`LayerSignals` is that ordering, the same for every
 engine: made on the engine's thread, it gives the load a side stream that first waits for the
 engine's stream (earlier users of the pages); after each layer the load records a CUDA event
 there and sets the layer's flag, and the engine's wait for layer ``i`` makes its own stream
-wait on event ``i`` (the host blocks only until the layer is queued, not done).
+wait on event ``i`` (the host blocks only until the layer is queued, not done). It also says
+who writes each layer: the load's thread in order, or, when the engine asks for a layer
+nobody has begun (it got there first), the engine's own thread (``help``), so that waiting
+for a layer never waits for another thread to wake up only to start it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.client import Namespace
 from kvstore.client.tensors import HostBlocks
-from kvstore.kernels.transfer import DeviceReadable, load_layer
+from kvstore.inference_adapter.core.timeline import HitTimeline
+from kvstore.kernels.transfer import DeviceReadable, LayerCopies, load_layer
 
 __all__ = ["LayerKV", "LayerSignals", "LayerWriter", "engine_layers", "staging_for"]
 
 
 @dataclass(frozen=True, slots=True)
 class LayerKV:
-    """K and V views of one layer's pages: ``[num_pages, page_tokens, kv_heads, head_dim]``."""
+    """K and V views of one layer's pages: ``[num_pages, page_tokens, kv_heads, head_dim]``;
+    ``pair`` is both at once, ``[2, num_pages, ...]`` (K at 0), when they are two equally
+    strided halves of one tensor (a page run of K and V is then one copy)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    pair: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -56,7 +64,7 @@ class LayerKV:
 def engine_layers(kv_pool: torch.Tensor) -> list[LayerKV]:
     """Our engine's pool ``[num_layers, 2, num_pages, page_tokens, kv_heads, head_dim]`` as
     one :class:`LayerKV` per layer (views, no copy)."""
-    return [LayerKV(layer[0], layer[1]) for layer in kv_pool]
+    return [LayerKV(layer[0], layer[1], layer) for layer in kv_pool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,8 @@ class _Group:
 
 class LayerWriter:
     """Writes layer after layer of leased blocks into their pages (see the module docstring).
+    On the CPU each group's copies are planned once (:class:`~kvstore.kernels.transfer.
+    LayerCopies`), so a layer costs one ``torch._foreach_copy_`` per group.
 
     Args:
         groups: ``(blocks, pages)`` per lease: the blocks and ``[len(blocks),
@@ -85,25 +95,25 @@ class LayerWriter:
         self._layers = layers
         self._layer_bytes = layer_bytes
         device = layers[0].k.device
-        self._groups = [
+        chosen = [(blocks, pages[: len(blocks)]) for blocks, pages in groups if len(blocks)]
+        self._copies = [] if device.type == "cuda" else [
+            LayerCopies(blocks.source, list(blocks.offsets), layers[0].k, pages, layer_bytes)
+            for blocks, pages in chosen
+        ]  # fmt: skip
+        self._groups = [] if device.type != "cuda" else [
             _Group(
                 blocks,
                 torch.tensor(blocks.offsets, dtype=torch.int64).to(device, non_blocking=True),
-                pages[: len(blocks)].to(device, non_blocking=True),
+                pages.to(device, non_blocking=True),
             )
-            for blocks, pages in groups
-            if len(blocks)
-        ]
-
-    @property
-    def direct(self) -> bool:
-        """Whether every block is read by the device where it lies (registered memory)."""
-        on_cuda = self._layers[0].k.is_cuda
-        return not on_cuda or all(g.blocks.mapped is not None for g in self._groups)
+            for blocks, pages in chosen
+        ]  # fmt: skip
 
     def write(self, layer: int) -> None:
         """Layer ``layer`` of every block into its pages (queued on the current stream)."""
         target = self._layers[layer]
+        for copies in self._copies:
+            copies.write(layer, target.k, target.v, target.pair)
         start = layer * self._layer_bytes
         for group in self._groups:
             source, offsets = self._source(group, start, target.k.device)
@@ -112,10 +122,8 @@ class LayerWriter:
     def _source(
         self, group: _Group, start: int, device: torch.device
     ) -> tuple[torch.Tensor | DeviceReadable, torch.Tensor]:
-        """Where the kernel (or the reference) reads layer slices from, and their offsets."""
+        """Where the kernel reads layer slices from, and their offsets."""
         blocks = group.blocks
-        if device.type != "cuda":
-            return blocks.source, group.offsets + start
         if blocks.mapped is not None:
             return blocks.mapped, group.offsets + start
         # Unregistered host memory: the layer's slices, gathered here, cross in one copy.
@@ -127,17 +135,40 @@ class LayerWriter:
 
 
 class LayerSignals:
-    """Per layer, "written": a flag the load thread sets, and on CUDA the event the engine's
-    stream waits on (see the module docstring).
+    """Per layer of a load: who writes it, and "written" (a flag, and on CUDA the event the
+    engine's stream waits on); see the module docstring.
+
+    The load's thread writes every layer in order (:meth:`write_all`), once the blocks are in
+    hand (:meth:`can_write`). With ``help``, an engine that waits for a layer no thread has
+    begun writes it itself on its own thread, and, while the load's thread writes it, the
+    next layer if nobody has begun it (:meth:`wait`): work that is due anyway, instead of
+    waiting for a wake-up, so the hand-off costs no thread switch when the engine is ahead
+    of the load. Each layer is written once, by whichever thread claims it first. :meth:`stop` ends
+    the writing: none begins after it, and it returns once those in flight are done (and,
+    on CUDA, queued work has finished).
 
     Args:
         num_layers: Layers the load writes.
+        help: Whether :meth:`wait` writes layers nobody has begun.
+        timeline: Marked as each layer is written.
     """
 
-    def __init__(self, num_layers: int) -> None:
-        self.ready = [threading.Event() for _ in range(num_layers)]
+    def __init__(
+        self, num_layers: int, *, help: bool = False, timeline: HitTimeline | None = None
+    ) -> None:
+        self.num_layers = num_layers
+        self.helped = 0  # layers the waiting thread wrote itself
+        self._help = help
+        self._timeline = timeline
         self._stream: torch.cuda.Stream | None = None
         self._events: list[torch.cuda.Event | None] = [None] * num_layers
+        self._changed = threading.Condition()  # a layer was written, or writing stopped
+        self._claimed = [False] * num_layers
+        self._written = [False] * num_layers
+        self._writing = 0  # writes in flight
+        self._num_written = 0  # layers written (not only flagged)
+        self._write: Callable[[int], None] | None = None
+        self._stopped = False
 
     def after_engine(self, device: torch.device) -> None:
         """Call on the engine's thread before the first write, with the pages' device: on
@@ -153,33 +184,101 @@ class LayerSignals:
             return contextlib.nullcontext()
         return torch.cuda.stream(self._stream)
 
-    def written(self, layer: int) -> None:
-        """Layer ``layer`` is queued: its event is recorded after it, then its flag set."""
+    def can_write(self, write: Callable[[int], None]) -> None:
+        """The blocks are in hand: ``write(layer)`` puts a layer into the pool, from now on
+        on whichever thread claims it."""
+        with self._changed:
+            self._write = write
+
+    def write(self, layer: int) -> bool:
+        """Writes ``layer`` unless another thread claimed it, writing has stopped or cannot
+        begin yet; then flags it. ``False`` when it did not write."""
+        with self._changed:
+            write = self._write
+            if write is None or self._stopped or self._claimed[layer]:
+                return False
+            self._claimed[layer] = True
+            self._writing += 1
+        written = False
+        try:
+            with self.writing():
+                write(layer)
+                self._record(layer)
+            written = True
+        finally:
+            with self._changed:
+                self._writing -= 1
+                self._written[layer] = written or self._written[layer]
+                self._num_written += written
+                self._changed.notify_all()
+        if self._timeline is not None:
+            self._timeline.layer_ready(layer)
+        return True
+
+    def write_all(self) -> bool:
+        """Writes, in order, every layer nobody has claimed; ``False`` once stopped."""
+        for layer in range(self.num_layers):
+            self.write(layer)
+            if self._stopped:
+                return False
+        return True
+
+    def _record(self, layer: int) -> None:
         if self._stream is not None:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
             self._events[layer] = event
-        self.ready[layer].set()
+
+    @property
+    def complete(self) -> bool:
+        """Whether every layer was written (nothing can write any more)."""
+        return self._num_written == self.num_layers
 
     def release_all(self) -> None:
-        """Sets every flag (the load failed or ended early): nobody waits any more."""
-        for flag in self.ready:
-            flag.set()
+        """Flags every layer (the load failed or ended early): nobody waits any more."""
+        with self._changed:
+            self._written = [True] * self.num_layers
+            self._changed.notify_all()
 
     def wait(self, layer: int, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for layer ``layer``'s flag; once it is set and the
-        layer was written, the caller's current stream waits for the layer's event. ``False``
-        on timeout."""
-        if not self.ready[layer].wait(timeout):
-            return False
+        """Waits up to ``timeout`` seconds for layer ``layer`` (with ``help``, writing what
+        it can meanwhile: see the class docstring); once it is written, the caller's current
+        stream waits for the layer's event. ``False`` on timeout.
+
+        Raises:
+            Exception: what a write raised, when this thread wrote it.
+        """
+        if self._help:
+            self._write_or_next(layer)
+        if not self._written[layer]:
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._written[layer], timeout):
+                    return False
         event = self._events[layer]
         if event is not None and self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_event(event)
         return True
 
+    def _write_or_next(self, layer: int) -> None:
+        """Writes ``layer`` if nobody has begun it; else, while the load's thread writes
+        it, the next layer if nobody has begun that one (one at most: an engine with work
+        of its own gets back to it)."""
+        if self._written[layer]:
+            return
+        if self.write(layer) or (layer + 1 < self.num_layers and self.write(layer + 1)):
+            self.helped += 1
+
+    def stop(self) -> None:
+        """No write begins after this; returns once those in flight are done and, on CUDA,
+        the work they queued has finished (before a lease ends, or before the engine
+        recomputes pages a cancelled load was writing)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.wait_for(lambda: not self._writing)
+        self.synchronize()
+
     def synchronize(self) -> None:
-        """Returns once every write queued so far is done (before a lease ends, or before
-        the engine recomputes pages a cancelled load was writing)."""
+        """Returns once every write queued so far is done."""
         if self._stream is not None:
             self._stream.synchronize()
 

@@ -63,7 +63,7 @@ def layer_kv(kv: torch.Tensor, layout: str, *, num_kv_heads: int, head_dim: int)
         return LayerKV(k, v)
     five = kv.dim() == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_dim)
     if layout == "split" and five:
-        return LayerKV(kv[0], kv[1])
+        return LayerKV(kv[0], kv[1], kv)
     expected = {
         "cpu": f"[num_blocks, {num_kv_heads}, block_size, {2 * head_dim}] with contiguous rows",
         "packed": f"[num_blocks, {num_kv_heads}, block_size, {2 * head_dim}]",

@@ -208,14 +208,10 @@ class WorkerSide:
         try:
             with load.signals.writing():
                 writer = LayerWriter(groups, self.layers, self.namespace.model.layout().layer_bytes)
-                for index in range(len(self.layers)):
-                    with self._write_lock:
-                        if load.cancelled:
-                            return
-                        writer.write(index)
-                        load.signals.written(index)
+            load.signals.can_write(writer.write)
+            load.signals.write_all()
         finally:
-            load.signals.synchronize()  # the leases end on return
+            load.signals.stop()  # the leases end on return
 
     def _pages(self, spec: LoadSpec) -> torch.Tensor:
         """vLLM block ids ``[n, per_block]`` of each stored block's parts; -1 for the parts
@@ -235,7 +231,7 @@ class WorkerSide:
                 for index, block in enumerate(spec.block_ids):
                     if spec.first_block * per + index >= spec.skip_before:
                         self._failed_blocks.add(block)
-        load.signals.synchronize()  # writes already queued land before vLLM recomputes
+        load.signals.stop()  # writes already queued land before vLLM recomputes
         self.counts["failed_loads"] += 1
         log.debug("kvstore load %s; %d vLLM blocks recomputed", why, len(self._failed_blocks))
 

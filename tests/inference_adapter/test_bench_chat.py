@@ -21,7 +21,7 @@ from kvstore.inference_adapter.bench.workloads import (
     multi_round_qa,
     sharegpt,
 )
-from kvstore.inference_adapter.core import transfer
+from kvstore.kernels.transfer import LayerCopies
 
 SMOKE = ["--preset", "smoke", "--seed", "1"]
 
@@ -86,16 +86,14 @@ def test_the_hbm_level_serves_resident_history_with_recompute_tokens(tmp_path: P
 def test_the_bench_fails_loudly_when_the_store_serves_other_kv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real: Callable[..., None] = transfer.load_layer
+    real: Callable[..., None] = LayerCopies.write
 
-    def noisy(
-        source: object, offsets: object, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor
-    ) -> None:
-        real(source, offsets, k, v, pages)
-        written = pages[pages >= 0]
-        k[written] = torch.randn_like(k[written]) * 10  # wrong KV, right shape
+    def noisy(copies: LayerCopies, layer: int, k: torch.Tensor, *rest: torch.Tensor) -> None:
+        real(copies, layer, k, *rest)
+        for _, at, count in copies._runs:  # the pages it wrote
+            k[at : at + count] = torch.randn_like(k[at : at + count]) * 10  # wrong KV
 
-    monkeypatch.setattr(transfer, "load_layer", noisy)
+    monkeypatch.setattr(LayerCopies, "write", noisy)
     args = [*SMOKE, "--workloads", "sharegpt", "--no-sweep", "--no-plots"]
     assert main([*args, "--out", str(tmp_path / "out"), "--dir", str(tmp_path)]) == 1
     assert "generated other tokens than recompute" in capsys.readouterr().err
