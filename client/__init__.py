@@ -34,7 +34,7 @@ from kvstore.client.keys import (
     shard_keys,
 )
 from kvstore.client.sync import KVStoreClient
-from kvstore.client.transfer import Found
+from kvstore.client.transfer import Found, SharedLease
 from kvstore.client.wire import LookupResult, ServerInfo, Stats, TierStats, WriteStatus
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "ProtocolError",
     "ResourceExhaustedError",
     "ServerInfo",
+    "SharedLease",
     "Stats",
     "TierStats",
     "UnauthenticatedError",

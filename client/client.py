@@ -44,7 +44,7 @@ from kvstore.client.shm import (
     check_payloads,
     require_torch,
 )
-from kvstore.client.transfer import Found
+from kvstore.client.transfer import Found, SharedLease
 from kvstore.client.wire import LookupResult, ServerInfo, Slots, Stats, WriteStatus
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.blocks import ROOT_KEY
@@ -249,9 +249,26 @@ class AsyncKVStoreClient:
         return transfer.find_here(conn, session, calls, digest, keys, size, lease_id)
 
     async def release_lease(self, lease_id: int) -> None:
-        """Releases a lease by its id, in the background (e.g. after :meth:`find_here`
-        failed: the daemon may have granted it)."""
+        """Releases a lease of the tenant by its id, in the background (after :meth:`find_here`
+        failed: the daemon may have granted it; or a :class:`SharedLease` once read)."""
         self._conn.release_soon(lease_id)
+
+    async def shared_blocks(self, namespace: Namespace, lease: SharedLease) -> HostBlocks | None:
+        """Where the blocks another process of the tenant leased lie in this client's mapping
+        of the same arena (opening the tenant's session if needed); None when this client
+        maps another arena (the daemon restarted since) or streams. The lease stays the
+        tenant's: end it with :meth:`release_lease` once read (while it holds:
+        ``lease.alive_until``).
+
+        Raises:
+            ProtocolError: an offset that does not lie in the arena.
+        """
+        session = await self._conn.session(namespace.tenant)
+        if session is None or session.arena.arena_id != lease.arena_id:
+            return None
+        size = namespace.model.layout().payload_bytes
+        slots = wire.check_pairs([(offset, size) for offset in lease.offsets], size, session.arena)
+        return transfer.leased_blocks(session.arena, slots)
 
     async def release(self, found: Found) -> None:
         """Ends the lease :meth:`find` took (nothing when it took none): in the background

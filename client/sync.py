@@ -247,6 +247,8 @@ class KVStoreClient:
     lookup = _blocking(AsyncKVStoreClient.lookup)
     lookup_tiers = _blocking(AsyncKVStoreClient.lookup_tiers)
     release = _blocking(AsyncKVStoreClient.release)
+    release_lease = _blocking(AsyncKVStoreClient.release_lease)
+    shared_blocks = _blocking(AsyncKVStoreClient.shared_blocks)
     get = _blocking_copies(AsyncKVStoreClient.get)
     put = _blocking_copies(AsyncKVStoreClient.put)
     prefetch = _blocking(AsyncKVStoreClient.prefetch)

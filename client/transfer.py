@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Found",
     "Leased",
+    "SharedLease",
     "acquire",
     "end_lease",
     "find",
@@ -120,6 +121,26 @@ class Found:
         if self.lease is None:
             raise ValueError("nothing is leased")
         return leased_blocks(self.lease.arena, self.lease.slots)
+
+    def shared(self) -> SharedLease | None:
+        """The lease as another process of the tenant can use it (None: nothing leased)."""
+        lease = self.lease
+        if lease is None:
+            return None
+        offsets = tuple(offset for offset, _ in lease.slots)
+        return SharedLease(lease.lease_id, lease.arena.arena_id, offsets, lease.alive_until)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedLease:
+    """A lease one process took that another process of the same tenant reads and ends (a
+    vLLM scheduler's lookup, loaded by its workers): leases belong to the tenant, and every
+    session of the tenant maps the same arena. Plain values, to pickle across processes."""
+
+    lease_id: int
+    arena_id: bytes
+    offsets: tuple[int, ...]  # each leased block's slot in the arena
+    alive_until: float  # time.monotonic() (the host's clock) before which it holds
 
 
 def leased_blocks(arena: Arena, slots: Slots) -> HostBlocks:

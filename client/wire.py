@@ -224,11 +224,16 @@ def check_slots(slots: Sequence[pb.Slot], count: int, size: int, arena: _Area) -
     """The leased slots as (offset, length), each ``size`` bytes inside the arena."""
     if len(slots) > count:
         raise ProtocolError(f"Acquire returned {len(slots)} slots for {count} keys")
-    pairs = [(slot.offset, slot.length) for slot in slots]
+    return check_pairs([(slot.offset, slot.length) for slot in slots], size, arena)
+
+
+def check_pairs(pairs: Slots, size: int, arena: _Area) -> Slots:
+    """``pairs`` (offset, length), once each is known to be ``size`` bytes inside the arena."""
     last = arena.size - size  # the highest offset a slot of ``size`` bytes may start at
     for offset, length in pairs:
-        if length != size or offset > last:  # offsets are unsigned on the wire
-            _check_slot(pb.Slot(offset=offset, length=length), size, arena)  # raises
+        if length != size or not 0 <= offset <= last:
+            _check_slot(pb.Slot(offset=max(0, offset), length=length), size, arena)  # raises
+            raise ProtocolError(f"a slot at {offset} lies outside the arena")
     return pairs
 
 

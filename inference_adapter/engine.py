@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import block_keys
+from kvstore.inference_adapter.core.timeline import HitTimeline, PhaseHistograms, now
 from kvstore.inference_adapter.hbm import HBM_POLICIES
 from kvstore.inference_adapter.interfaces import (
     KVConnector,
@@ -130,6 +131,7 @@ class Engine:
         self._queued: list[bytes] = []  # keys of pages to evict last (protect)
         # Prompt tokens by where their KV came from: hbm, host, ssd, redis, computed.
         self.prompt_tokens: Counter[str] = Counter()
+        self.hit_phases = PhaseHistograms()  # every store hit's timeline, by phase
 
     @property
     def config(self) -> LlamaConfig:
@@ -164,6 +166,8 @@ class Engine:
         """
         for request in requests:
             self.check_request(request)
+            if request.timeline is None:  # it arrives now
+                request.timeline = HitTimeline(self.config.num_hidden_layers)
         waiting = deque(requests)
         running: list[Sequence] = []
         queued = {r.request_id: self._exact_keys(r, len(r.prompt) - 1) for r in requests}
@@ -279,11 +283,21 @@ class Engine:
     def _prefill(self, seq: Sequence) -> None:
         request = seq.request
         hidden = self._prefill_hidden(seq)
+        computed = now()
         logits = self.model.compute_logits(hidden[-1:])  # [1, vocab_size]
         request.output += sample(logits, [request.sampling], [seq.generator])
         request.ttft_s = time.perf_counter() - seq.admitted_at
+        self._observe_hit(request, computed)
         self.connector.save(request, seq.pages, len(request.prompt))
         self._publish(seq, len(request.prompt))
+
+    def _observe_hit(self, request: Request, computed: float) -> None:
+        """The timeline of a prompt the store loaded, into ``hit_phases``."""
+        timeline = request.timeline
+        if timeline is None or not request.num_loaded_tokens:
+            return
+        timeline.computed, timeline.first_token = computed, now()
+        self.hit_phases.observe(timeline.phases())
 
     def _prefill_hidden(self, seq: Sequence) -> torch.Tensor:
         """Loads what the connector offered and computes the rest of the prompt: last-layer

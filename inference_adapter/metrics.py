@@ -8,7 +8,10 @@ KV came from. ``kvstore chat --metrics-listen HOST:PORT`` serves them; any host 
 - ``kvstore_engine_hbm_hit_pages_total``: pages mapped from the pool (no copy);
 - ``kvstore_engine_hbm_evicted_pages_total``: idle resident pages given up;
 - ``kvstore_engine_hbm_resident_pages``: pages under a key now, held or idle;
-- ``kvstore_engine_hbm_retain_pages``, ``kvstore_engine_pool_pages``: the pool's sizes.
+- ``kvstore_engine_hbm_retain_pages``, ``kvstore_engine_pool_pages``: the pool's sizes;
+- ``kvstore_engine_hit_phase_seconds{phase}``: every store hit's timeline by phase (queue,
+  lookup, lease, admit, first_layer, layers, compute, sample, total:
+  :mod:`kvstore.inference_adapter.core.timeline`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class EngineCollector(Collector):
             ("hbm_evicted_pages", "Idle resident pages given up", pool.evicted_pages),
         ):
             yield CounterMetricFamily(f"kvstore_engine_{name}", text, value=value)
+        yield engine.hit_phases.metric(
+            "kvstore_engine_hit_phase_seconds", "A store hit's phases, arrival to first token"
+        )
         for name, text, value in (
             ("hbm_resident_pages", "Pages under a key, held or idle", pool.num_resident_pages),
             ("hbm_retain_pages", "Idle resident pages the pool keeps at most", pool.retain_pages),

@@ -5,8 +5,8 @@ marks ``arrived``, ``computed`` (the prompt's last layer is done) and ``first_to
 connector marks ``lookup_sent``, ``lookup_answered`` (the lookup's reply, which also carries
 the lease on the shm plane), ``lease_answered`` (a second call, when one was needed: blocks
 below host memory are promoted by an Acquire of their own), ``load_started`` and each layer
-in the pool (``layer_ready``; on CUDA the host time its copy was queued, then, once the load
-is over, the device's own time from the load's events: :meth:`HitTimeline.device_layers`).
+in the pool (``layer_ready``; on CUDA the host time its copy was queued; once the device has
+run them, the load's CUDA events, ``device_events``, give the device's own times instead).
 Every mark is ``time.perf_counter()``; an unset one is NaN.
 
 :meth:`HitTimeline.phases` turns the marks into durations, each between two consecutive
@@ -17,8 +17,9 @@ marks that are set (``PHASES``):
 - ``lease``: lookup answered -> lease answered (0 when the lookup leased);
 - ``admit``: the lease in hand -> the load started (the engine's scheduling);
 - ``first_layer``: load started -> layer 0 in the pool;
-- ``layers``: layer 0 -> the last layer in the pool;
-- ``compute``: the last layer -> the prompt computed (what was not loaded);
+- ``layers``: layer 0 -> every layer in the pool (two threads may write them, so the last one
+  in need not be the last layer);
+- ``compute``: every layer in -> the prompt computed (what was not loaded);
 - ``sample``: computed -> the first token;
 - ``total``: arrived -> the first token (TTFT, queue included).
 
@@ -31,12 +32,13 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client.core import HistogramMetricFamily
 
-__all__ = ["BUCKETS", "PHASES", "HitTimeline", "PhaseHistograms", "now"]
+__all__ = ["BUCKETS", "PHASES", "DeviceEvent", "HitTimeline", "PhaseHistograms", "now"]
 
 PHASES = (
     "queue",
@@ -75,6 +77,8 @@ class HitTimeline:
     computed: float = NAN
     first_token: float = NAN
     layers: list[float] = field(default_factory=list)  # per layer: in the pool (NaN: not yet)
+    # On CUDA: (an event recorded where the load began, one recorded after each layer)
+    device_events: tuple[DeviceEvent, Sequence[DeviceEvent | None]] | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -84,11 +88,15 @@ class HitTimeline:
         """Layer ``layer`` of the load is in the pool (on CUDA: queued)."""
         self.layers[layer] = now()
 
-    def device_layers(self, elapsed_ms: Iterable[float]) -> None:
-        """Replaces the layer marks with the device's own: ``elapsed_ms`` per layer since
-        the load's first event, which the device passed at ``load_started``."""
-        for layer, elapsed in enumerate(elapsed_ms):
-            self.layers[layer] = self.load_started + elapsed / 1000
+    def _layer_marks(self) -> list[float]:
+        """The layers' marks: the device's own once it has run every event (the load began
+        on the device at ``load_started``), else the host's."""
+        if self.device_events is None:
+            return self.layers
+        start, events = self.device_events
+        if not all(event is not None and event.query() for event in events):
+            return self.layers
+        return [self.load_started + start.elapsed_time(e) / 1000 for e in events if e]
 
     @property
     def loaded(self) -> bool:
@@ -97,7 +105,9 @@ class HitTimeline:
 
     def phases(self) -> dict[str, float]:
         """Seconds per phase whose two ends are marked (see the module docstring)."""
-        first, last = (self.layers[0], self.layers[-1]) if self.layers else (NAN, NAN)
+        layers = self._layer_marks()
+        first = layers[0] if layers else NAN  # what the engine waits for first
+        last = NAN if not layers or any(map(math.isnan, layers)) else max(layers)  # all in
         marks = {
             "queue": (self.arrived, self.lookup_sent),
             "lookup": (self.lookup_sent, self.lookup_answered),
@@ -116,6 +126,14 @@ class HitTimeline:
             for phase, (start, end) in marks.items()
             if not (math.isnan(start) or math.isnan(end))
         }
+
+
+class DeviceEvent(Protocol):
+    """A CUDA event as the timeline reads it (``torch.cuda.Event(enable_timing=True)``)."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: DeviceEvent, /) -> float: ...
 
 
 def _first_set(*marks: float) -> float:

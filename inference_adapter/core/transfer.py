@@ -39,7 +39,7 @@ import torch
 
 from kvstore.client import Namespace
 from kvstore.client.tensors import HostBlocks
-from kvstore.inference_adapter.core.timeline import HitTimeline
+from kvstore.inference_adapter.core.timeline import DeviceEvent, HitTimeline
 from kvstore.kernels.transfer import DeviceReadable, LayerCopies, load_layer
 
 __all__ = ["LayerKV", "LayerSignals", "LayerWriter", "engine_layers", "staging_for"]
@@ -177,6 +177,11 @@ class LayerSignals:
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._stream.wait_stream(torch.cuda.current_stream(device))
+            if self._timeline is not None:  # the device's own times of each layer
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                start.record(self._stream)
+                events: Sequence[DeviceEvent | None] = self._events  # type: ignore[assignment]
+                self._timeline.device_events = (start, events)  # type: ignore[assignment]
 
     def writing(self) -> contextlib.AbstractContextManager[object]:
         """The load's writes go on the side stream meanwhile (on the CPU: nothing)."""
@@ -204,6 +209,8 @@ class LayerSignals:
             with self.writing():
                 write(layer)
                 self._record(layer)
+            if self._timeline is not None:  # before anyone may see it written
+                self._timeline.layer_ready(layer)
             written = True
         finally:
             with self._changed:
@@ -211,8 +218,6 @@ class LayerSignals:
                 self._written[layer] = written or self._written[layer]
                 self._num_written += written
                 self._changed.notify_all()
-        if self._timeline is not None:
-            self._timeline.layer_ready(layer)
         return True
 
     def write_all(self) -> bool:
@@ -225,7 +230,8 @@ class LayerSignals:
 
     def _record(self, layer: int) -> None:
         if self._stream is not None:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            timed = self._timeline is not None
+            event = torch.cuda.Event(enable_timing=timed)  # type: ignore[no-untyped-call]
             event.record(self._stream)
             self._events[layer] = event
 

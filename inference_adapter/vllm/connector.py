@@ -29,8 +29,10 @@ that is down at start or goes away costs cache misses only (:mod:`.link`); with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import statistics
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -44,10 +46,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.client import shard_keys
+from kvstore.client import SharedLease, shard_keys
+from kvstore.inference_adapter.core.timeline import BUCKETS, PHASES
 from kvstore.inference_adapter.vllm.layout import layer_kv, layout_of
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.model import model_namespace
@@ -60,12 +66,19 @@ from kvstore.inference_adapter.vllm.scheduler import (
 from kvstore.inference_adapter.vllm.settings import ConnectorSettings
 from kvstore.inference_adapter.vllm.worker import WorkerSide
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorStats", "KVStoreMetadata", "model_namespace"]
+__all__ = [
+    "KVStoreConnector",
+    "KVStoreConnectorStats",
+    "KVStoreMetadata",
+    "KVStorePromMetrics",
+    "model_namespace",
+]
 
 log = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 MAX_WAITING_HINTS = 64  # prefetch hints waiting to be sent; past this they are dropped
+PHASES_KEY = "hit_phases"  # in the connector stats: the hit phases observed
 
 
 @dataclass
@@ -77,22 +90,67 @@ class KVStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """Block counts since the last report: loaded, failed loads, queued / dropped saves."""
+    """Block counts since the last report (loaded, failed loads, queued / dropped saves),
+    and under ``PHASES_KEY`` the hit phases observed meanwhile (one dict per hit part)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVStoreConnectorStats:
-        merged = Counter(self.data)
-        merged.update(other.data)
+        phases = [*self.data.get(PHASES_KEY, ()), *other.data.get(PHASES_KEY, ())]
+        merged = Counter({k: v for k, v in self.data.items() if k != PHASES_KEY})
+        merged.update({k: v for k, v in other.data.items() if k != PHASES_KEY})
         self.data = dict(merged)
+        if phases:
+            self.data[PHASES_KEY] = phases
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {name: int(value) for name, value in sorted(self.data.items())}
+        """The counts, and each phase's median in milliseconds (``<phase>_p50_ms``)."""
+        reduced: dict[str, int | float] = {
+            name: int(value) for name, value in sorted(self.data.items()) if name != PHASES_KEY
+        }
+        observed = self.data.get(PHASES_KEY, ())
+        for phase in PHASES:
+            seconds = [hit[phase] for hit in observed if phase in hit]
+            if seconds:
+                reduced[f"{phase}_p50_ms"] = round(1000 * statistics.median(seconds), 3)
+        return reduced
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """``kvstore_engine_hit_phase_seconds{phase}`` (a histogram per vLLM engine): each hit's
+    phases as the scheduler's and the worker's connectors observed them, from the stats
+    vLLM collects of both."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        histogram = self._histogram_cls(
+            name="kvstore_engine_hit_phase_seconds",
+            documentation="A store hit's phases: lookup, lease, layers loaded, ...",
+            buckets=[bound for bound in BUCKETS if bound != float("inf")],
+            labelnames=[*labelnames, "phase"],
+        )
+        self._phases = {
+            engine: {phase: histogram.labels(*values, phase) for phase in PHASES}
+            for engine, values in per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        histograms = self._phases.get(engine_idx, {})
+        for hit in transfer_stats_data.get(PHASES_KEY, ()):
+            for phase, seconds in hit.items():
+                if phase in histograms:
+                    histograms[phase].observe(seconds)
 
 
 class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -123,14 +181,21 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 )
             link = self._link("scheduler", call_timeout=self.settings.lookup_timeout_s, retries=0)
             self._hints = _Hints(link, self.tp_size)
+
+            def release(leases: Sequence[SharedLease]) -> None:
+                with contextlib.suppress(Exception):  # down: the leases expire on the daemon
+                    link.call(lambda c: [c.release_lease(lease.lease_id) for lease in leases])
+
             self._scheduler = SchedulerSide(
                 self.namespace,
                 self.block_size,
                 lambda keys: held_by_every_rank(
-                    lambda shard: link.call(lambda c: c.lookup_tiers(self.namespace, shard)),
+                    lambda shard: link.call(lambda c: c.find(self.namespace, shard)),
                     keys,
                     self.tp_size,
+                    release,
                 ),
+                release=release,
                 prefetch=self._hints.send,
                 load=bool(transfer.is_kv_consumer),
                 save=bool(transfer.is_kv_producer),
@@ -275,13 +340,30 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
-        if self._worker is None:
-            return None
-        now = self._worker.counts + self._worker.save_counts()
-        delta = {name: now[name] - self._reported[name] for name in now}
-        self._reported = now
-        stats = KVStoreConnectorStats(data={k: v for k, v in delta.items() if v})
+        """Block counts since the last report (the worker's), and the hit phases observed
+        meanwhile on this side (the scheduler's lookups, the worker's loads)."""
+        data: dict[str, Any] = {}
+        if self._worker is not None:
+            now = self._worker.counts + self._worker.save_counts()
+            data = {name: now[name] - self._reported[name] for name in now}
+            self._reported = now
+            observed = self._worker.take_observed()
+        else:
+            observed = self._scheduler.take_observed() if self._scheduler is not None else []
+        stats = KVStoreConnectorStats(data={k: v for k, v in data.items() if v})
+        if observed:
+            stats.data[PHASES_KEY] = observed
         return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStorePromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(

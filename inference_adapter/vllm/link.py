@@ -170,7 +170,7 @@ class Link:
                     **self._options,  # type: ignore[arg-type]
                 )
                 client.connect()
-                client.register(self.namespace)
+                client.open_session(self.namespace)  # registers it; no request pays for these
                 client.timeout = self.call_timeout
             except Exception as error:
                 if client is not None:

@@ -32,11 +32,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstore.client import ROOT_KEY, LookupResult, Namespace, block_keys, shard_keys
+from kvstore.client import (
+    ROOT_KEY,
+    Found,
+    LookupResult,
+    Namespace,
+    SharedLease,
+    block_keys,
+    shard_keys,
+)
+from kvstore.inference_adapter.core.timeline import HitTimeline, PhaseHistograms, now
 
 __all__ = [
     "LEVELS_PARAM",
     "LoadSpec",
+    "Match",
     "SaveSpec",
     "SchedulerSide",
     "StepPlan",
@@ -60,6 +70,15 @@ class TrackedRequest(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Match:
+    """What the store holds of a prompt: the lookup (the shortest of every TP rank's) and,
+    per rank, the lease its lookup took of the leading blocks in host memory (None: none)."""
+
+    found: LookupResult
+    leases: tuple[SharedLease | None, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Stored blocks to write into a request's vLLM blocks this step."""
 
@@ -68,6 +87,9 @@ class LoadSpec:
     first_block: int  # index in the sequence of keys[0] (its tokens start there * block_tokens)
     block_ids: tuple[int, ...]  # vLLM blocks, per_block of them per key, in order
     skip_before: int  # vLLM blocks of the sequence below this index vLLM computed itself
+    # Per TP rank, the scheduler's lease of these blocks (offsets from keys[0] on), the
+    # worker's to read and end; a rank without one leases them itself.
+    leases: tuple[SharedLease | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +128,7 @@ class _Match:
     held: int  # leading stored blocks the daemon holds
     num_computed: int  # vLLM's own prefix hit when it asked
     tiers: tuple[str, ...] = ()  # per held block, its highest tier at lookup
+    leases: tuple[SharedLease | None, ...] = ()  # per rank, what its lookup leased
 
 
 class SchedulerSide:
@@ -114,8 +137,10 @@ class SchedulerSide:
     Args:
         namespace: The model and tenant (its ``block_tokens`` is the stored block size).
         vllm_block_size: vLLM's ``block_size``; divides ``block_tokens``.
-        lookup: ``keys -> LookupResult`` (leading blocks held, and in which tiers); raises
-            when the daemon cannot answer.
+        lookup: ``keys -> Match`` (leading blocks held, in which tiers, and the leases the
+            lookup took of those in host memory); raises when the daemon cannot answer.
+        release: Ends leases no load takes (a request matched again, or not admitted);
+            must not block.
         prefetch: ``(request_id, keys)``: hints that the request loads these blocks soon;
             must not block (the connector sends it from a thread of its own).
         load: Plan loads (kv_both, kv_consumer).
@@ -126,8 +151,9 @@ class SchedulerSide:
         self,
         namespace: Namespace,
         vllm_block_size: int,
-        lookup: Callable[[Sequence[bytes]], LookupResult],
+        lookup: Callable[[Sequence[bytes]], Match],
         *,
+        release: Callable[[Sequence[SharedLease]], None] | None = None,
         prefetch: Callable[[str, Sequence[bytes]], None] | None = None,
         load: bool = True,
         save: bool = True,
@@ -142,13 +168,17 @@ class SchedulerSide:
         self.per_block = self.block_tokens // vllm_block_size
         self.vllm_block_size = vllm_block_size
         self._lookup = lookup
+        self._release = release
         self._prefetch = prefetch
         self._load = load
         self._save = save
         self._tracked: dict[str, _Tracked] = {}
         self._matches: dict[str, _Match] = {}
         self._loads: list[LoadSpec] = []
+        self._arrived: dict[str, float] = {}  # request -> when vLLM first asked about it
         self.lookup_errors = 0
+        self.phases = PhaseHistograms()  # the scheduler's part of each hit: queue, lookup
+        self.observed: list[dict[str, float]] = []  # phases observed since taken
 
     def matched_tokens(self, request: TrackedRequest, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the daemon can provide (0 on any failure).
@@ -158,6 +188,9 @@ class SchedulerSide:
         """
         tracked = self._track(request)
         tracked.levels = {"hbm": num_computed_tokens} if num_computed_tokens else {}
+        asked_before = request.request_id in self._arrived
+        timeline = HitTimeline(0, arrived=self._arrived.setdefault(request.request_id, now()))
+        self._drop_match(request.request_id)  # asked again: its earlier lease goes
         prompt = list(request.prompt_token_ids or ())
         usable = (len(prompt) - 1) // self.block_tokens  # one prompt token is always computed
         if usable <= 0:
@@ -165,21 +198,29 @@ class SchedulerSide:
         if len(tracked.keys) < usable:
             tracked.keys = block_keys(prompt[: usable * self.block_tokens], self.namespace)
         keys = tuple(tracked.keys[:usable])
+        timeline.lookup_sent = now()
         try:
-            found = self._lookup(keys)
+            match = self._lookup(keys)
         except Exception as error:
             self.lookup_errors += 1
             log.debug("lookup of request %s failed: %s", request.request_id, error)
             return 0
+        timeline.lookup_answered = now()
+        phases = timeline.phases()
+        if asked_before:  # it waited in vLLM's queue since: its arrival was counted then
+            del phases["queue"]
+        self._observe(phases)
+        found = match.found
         held = min(found.num_blocks, usable)
         tracked.next_save = max(tracked.next_save, held)  # held blocks are never saved again
-        if not self._load:
+        if not self._load or not held:
+            self._end_leases(match.leases)
             return 0
         if self._prefetch is not None and not tracked.hinted and _below_host(found, held):
             tracked.hinted = True
             self._prefetch(request.request_id, keys[:held])
         self._matches[request.request_id] = _Match(
-            keys, held, num_computed_tokens, found.tiers[:held]
+            keys, held, num_computed_tokens, found.tiers[:held], match.leases
         )
         return max(0, held * self.block_tokens - num_computed_tokens)
 
@@ -188,6 +229,8 @@ class SchedulerSide:
         tokens from the connector."""
         tracked = self._track(request)
         match = self._matches.pop(request.request_id, None)
+        if match is not None and external <= 0:
+            self._end_leases(match.leases)
         if external <= 0 or match is None:
             return
         first = match.num_computed // self.block_tokens
@@ -206,6 +249,7 @@ class SchedulerSide:
                 first_block=first,
                 block_ids=tuple(block_ids[first * per : held * per]),
                 skip_before=match.num_computed // self.vllm_block_size,
+                leases=tuple(_from(lease, first) for lease in match.leases),
             )
         )
 
@@ -235,10 +279,31 @@ class SchedulerSide:
         return StepPlan(loads=loads, saves=saves)
 
     def finished(self, request_id: str) -> dict[str, int]:
-        """Forgets the request; returns its prompt tokens by level (none computed)."""
+        """Forgets the request (a lease its lookup took that no load took ends); returns its
+        prompt tokens by level (none computed)."""
         tracked = self._tracked.pop(request_id, None)
-        self._matches.pop(request_id, None)
+        self._drop_match(request_id)
+        self._arrived.pop(request_id, None)
         return tracked.levels if tracked is not None else {}
+
+    def take_observed(self) -> list[dict[str, float]]:
+        """The hit phases observed since the last call (for vLLM's connector stats)."""
+        observed, self.observed = self.observed, []
+        return observed
+
+    def _observe(self, phases: dict[str, float]) -> None:
+        self.phases.observe(phases)
+        self.observed.append(phases)
+
+    def _drop_match(self, request_id: str) -> None:
+        match = self._matches.pop(request_id, None)
+        if match is not None:
+            self._end_leases(match.leases)
+
+    def _end_leases(self, leases: Sequence[SharedLease | None]) -> None:
+        held = [lease for lease in leases if lease is not None]
+        if held and self._release is not None:
+            self._release(held)
 
     def _track(self, request: TrackedRequest) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
@@ -274,11 +339,31 @@ def _below_host(found: LookupResult, held: int) -> bool:
     return any(tier != "host" for tier in found.tiers[:held])
 
 
+def _from(lease: SharedLease | None, first: int) -> SharedLease | None:
+    """``lease`` of a chain's blocks, as a lease of its blocks from index ``first`` on."""
+    if lease is None or not first:
+        return lease
+    return SharedLease(lease.lease_id, lease.arena_id, lease.offsets[first:], lease.alive_until)
+
+
 def held_by_every_rank(
-    lookup: Callable[[Sequence[bytes]], LookupResult], keys: Sequence[bytes], tp_size: int
-) -> LookupResult:
-    """What every tensor-parallel rank holds of ``keys``: each rank's share looked up under
-    its keys (``shard_keys``), the shortest answer kept (a block is loadable only when every
-    rank can load its heads of it)."""
-    found = [lookup(shard_keys(keys, rank)) for rank in range(tp_size)]
-    return min(found, key=lambda result: result.num_blocks)
+    find: Callable[[Sequence[bytes]], Found],
+    keys: Sequence[bytes],
+    tp_size: int,
+    release: Callable[[Sequence[SharedLease]], None] | None = None,
+) -> Match:
+    """What every tensor-parallel rank holds of ``keys``: each rank's share looked up (and
+    its leading blocks in host memory leased) under its keys (``shard_keys``), the shortest
+    answer kept (a block is loadable only when every rank can load its heads of it). When
+    a rank's lookup fails, the leases the others took are given to ``release``."""
+    found: list[Found] = []
+    try:
+        for rank in range(tp_size):
+            found.append(find(shard_keys(keys, rank)))
+    except Exception:
+        taken = [lease for each in found if (lease := each.shared()) is not None]
+        if taken and release is not None:
+            release(taken)
+        raise
+    shortest = min(found, key=lambda each: each.num_blocks)
+    return Match(shortest.result, tuple(each.shared() for each in found))

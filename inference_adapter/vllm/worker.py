@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -51,9 +52,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvstore.client import KVStoreClient, Namespace, WriteStatus, shard_keys
+from kvstore.client import KVStoreClient, Namespace, SharedLease, WriteStatus, shard_keys
 from kvstore.client.tensors import HostBlocks
 from kvstore.inference_adapter.core.saver import SaveJob, SaveQueue
+from kvstore.inference_adapter.core.timeline import HitTimeline, PhaseHistograms, now
 from kvstore.inference_adapter.core.transfer import LayerKV, LayerSignals, LayerWriter, staging_for
 from kvstore.inference_adapter.vllm.layout import gather
 from kvstore.inference_adapter.vllm.link import Link
@@ -62,6 +64,8 @@ from kvstore.inference_adapter.vllm.scheduler import LoadSpec, SaveSpec, StepPla
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 1.0  # a load through a lookup's lease ends at least this long before it
 
 
 class _LinkPutter:
@@ -91,6 +95,7 @@ class _Load:
     specs: tuple[LoadSpec, ...]
     signals: LayerSignals
     deadline: float
+    timeline: HitTimeline
     failed: bool = False
     cancelled: bool = False
 
@@ -136,6 +141,9 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._staged: list[tuple[SaveSpec, torch.Tensor]] | None = None
         self.counts = Counter[str]()
+        self.phases = PhaseHistograms()  # the worker's part of each hit: lease, layers
+        self.observed: list[dict[str, float]] = []  # phases observed since taken
+        self._observed_lock = threading.Lock()
 
     # Loads ---------------------------------------------------------------------------------
 
@@ -144,9 +152,11 @@ class WorkerSide:
         if not plan.loads:
             self._load = None
             return
-        signals = LayerSignals(len(self.layers))
+        timeline = HitTimeline(len(self.layers))
+        timeline.load_started = timeline.arrived
+        signals = LayerSignals(len(self.layers), timeline=timeline)
         signals.after_engine(self.device)  # on vLLM's thread: after what its stream queued
-        load = _Load(plan.loads, signals, deadline=time.monotonic() + self.load_timeout_s)
+        load = _Load(plan.loads, signals, time.monotonic() + self.load_timeout_s, timeline)
         self._load = load
         self.counts["load_blocks"] += sum(len(spec.keys) for spec in plan.loads)
         self._threads.submit(self._run_load, load)
@@ -177,19 +187,64 @@ class WorkerSide:
             load.signals.release_all()
 
     def _load_from(self, client: KVStoreClient, load: _Load) -> None:
-        """Leases each request's blocks, then writes them layer by layer. A request whose
-        chain comes back short (evicted, or corrupt and dropped by the daemon) loads the
-        blocks that came; vLLM recomputes from the first missing one."""
+        """Takes each request's blocks (those the scheduler's lookup leased for this rank,
+        where they lie in this process's mapping of the arena; else it leases them now),
+        then writes them layer by layer and ends the leases. A request whose chain comes
+        back short (evicted, or corrupt and dropped by the daemon) loads the blocks that
+        came; vLLM recomputes from the first missing one."""
         with contextlib.ExitStack() as leases:
             groups: list[tuple[HostBlocks, torch.Tensor]] = []
             for spec in load.specs:
                 keys = shard_keys(spec.keys, self.rank)
-                blocks = leases.enter_context(client.host_blocks(self.namespace, keys))
+                shared = spec.leases[self.rank] if self.rank < len(spec.leases) else None
+                if shared is not None:  # the worker's to end, used or not
+                    leases.callback(client.release_lease, shared.lease_id)
+                blocks = self._adopt(client, shared, len(keys), load)
+                if blocks is None:
+                    blocks = leases.enter_context(client.host_blocks(self.namespace, keys))
+                    load.timeline.lease_answered = now()
+                    self.counts["leased_blocks"] += len(blocks)
+                else:
+                    self.counts["lookup_leased_blocks"] += len(blocks)
                 if len(blocks) < len(spec.keys):
                     spec = self._short(spec, len(blocks))
                 if len(blocks):
                     groups.append((blocks, self._pages(spec)))
             self._write_layers(load, groups)
+
+    def _observe(self, timeline: HitTimeline) -> None:
+        """The worker's phases of a step's load: leasing (when the lookup had not), the
+        first layer and the rest, from the load's start."""
+        phases = {name: seconds for name, seconds in timeline.phases().items()
+                  if name in ("first_layer", "layers")}  # fmt: skip
+        if not math.isnan(timeline.lease_answered):
+            phases["lease"] = timeline.lease_answered - timeline.load_started
+        self.phases.observe(phases)
+        with self._observed_lock:
+            self.observed.append(phases)
+
+    def take_observed(self) -> list[dict[str, float]]:
+        """The hit phases observed since the last call (for vLLM's connector stats)."""
+        with self._observed_lock:
+            observed, self.observed = self.observed, []
+        return observed
+
+    def _adopt(
+        self, client: KVStoreClient, shared: SharedLease | None, count: int, load: _Load
+    ) -> HostBlocks | None:
+        """The ``count`` blocks the scheduler's lookup leased, where they lie here; None when
+        it leased fewer, the lease is about to end, or this process maps another arena (the
+        daemon restarted since). The load must end while the lease holds: its deadline is
+        brought forward to that (a load past it fails, and vLLM recomputes)."""
+        if shared is None or len(shared.offsets) < count:
+            return None
+        if shared.alive_until - time.monotonic() <= LEASE_MARGIN_S:
+            return None
+        blocks = client.shared_blocks(self.namespace, shared)
+        if blocks is None:
+            return None
+        load.deadline = min(load.deadline, shared.alive_until - LEASE_MARGIN_S)
+        return HostBlocks(blocks.source, blocks.offsets[:count], blocks.mapped)
 
     def _short(self, spec: LoadSpec, got: int) -> LoadSpec:
         """Counts the blocks of ``spec`` past ``got`` as failed; the spec for the rest."""
@@ -269,7 +324,9 @@ class WorkerSide:
     def finish_step(self) -> None:
         """Hands the step's staged blocks to the save queue (never waits for a put)."""
         staged, self._staged = self._staged or [], None
-        self._load = None  # the step is over: its layers were all waited for
+        load, self._load = self._load, None  # the step is over: its layers were all waited for
+        if load is not None and not load.failed and not load.cancelled:
+            self._observe(load.timeline)
         copies, self._copies = self._copies, []
         failed = False
         for copy in copies:  # vLLM may reuse its blocks once this returns

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
-from kvstore.inference_adapter import Engine, LlamaModel, Request, SamplingParams
+from kvstore.client import KVStoreClient
+from kvstore.inference_adapter import (
+    Engine,
+    LlamaModel,
+    Request,
+    SamplingParams,
+    StoreConnector,
+    namespace_for,
+)
+from kvstore.inference_adapter.core.timeline import PHASES
 from kvstore.inference_adapter.metrics import serve_engine_metrics
 from tests.inference_adapter.test_engine import PAGE_TOKENS, model, random_prompt
-from tests.support.daemon import scrape
+from tests.support.daemon import running_daemon, scrape
 
 __all__ = ["model"]  # the fixture
 
@@ -47,6 +57,44 @@ def test_a_scrape_shows_the_pools_hits_evictions_residency_and_tokens_by_level(
     assert got["kvstore_engine_hbm_resident_pages"] == pool.num_resident_pages == 8
     assert got["kvstore_engine_hbm_retain_pages"] == 8
     assert got["kvstore_engine_pool_pages"] == 24
+
+
+def test_every_store_hit_is_timed_phase_by_phase(model: LlamaModel, tmp_path: Path) -> None:
+    """A miss, then two hits of it: the histograms count the two hits, each phase once, the
+    phases of a hit add up to no more than its arrival to first token, and nothing of the
+    miss."""
+    engine = Engine(model, num_pages=48, page_tokens=PAGE_TOKENS)
+    namespace = namespace_for(model.config, model_name="m", block_tokens=PAGE_TOKENS)
+    prompt = random_prompt(5 * PAGE_TOKENS + 1, 7)
+    with (
+        running_daemon(tmp_path) as daemon,
+        KVStoreClient(daemon.address, retries=0, timeout=5.0) as client,
+    ):
+        engine.connector = connector = StoreConnector(
+            client, namespace, kv_pool=engine.kv_pool, page_tokens=PAGE_TOKENS,
+            rope_tables=engine.rope_tables,
+        )  # fmt: skip
+        stop, port = serve_engine_metrics(engine, "127.0.0.1:0")
+        try:
+            engine.generate([Request("miss", prompt, SamplingParams(max_tokens=1))])
+            assert connector.wait_for_saves(10.0)
+            hits = [Request(f"hit{i}", prompt, SamplingParams(max_tokens=1)) for i in range(2)]
+            for hit in hits:
+                engine.generate([hit])
+                assert hit.num_loaded_tokens == 5 * PAGE_TOKENS
+            got = scrape(port)
+        finally:
+            stop()
+            connector.close()
+    name = "kvstore_engine_hit_phase_seconds"
+    counts = {phase: got[f'{name}_count{{phase="{phase}"}}'] for phase in PHASES}
+    assert counts == {**dict.fromkeys(PHASES, 2.0), "lease": 2.0}, counts
+    sums = {phase: got[f'{name}_sum{{phase="{phase}"}}'] for phase in PHASES}
+    parts = sum(seconds for phase, seconds in sums.items() if phase != "total")
+    assert 0 < parts <= sums["total"] + 1e-6  # lease is 0: it came with the lookup
+    assert sums["lease"] == 0.0 and sums["lookup"] > 0
+    for hit in hits:
+        assert hit.timeline is not None and hit.timeline.loaded
 
 
 def test_an_address_in_use_is_named(model: LlamaModel) -> None:

@@ -20,10 +20,11 @@ from kvstore.client import (
     LookupResult,
     ModelFingerprint,
     Namespace,
+    SharedLease,
     WriteStatus,
     block_keys,
 )
-from kvstore.inference_adapter.vllm.scheduler import SchedulerSide
+from kvstore.inference_adapter.vllm.scheduler import Match, SchedulerSide
 from tests.support.daemon import running_daemon
 from tests.support.waiting import wait_for
 
@@ -49,9 +50,9 @@ def namespace(block_tokens: int) -> Namespace:
 def planner(held: int, block_tokens: int = 32, **options: bool) -> tuple[SchedulerSide, list]:
     asked: list[Sequence[bytes]] = []
 
-    def lookup(keys: Sequence[bytes]) -> LookupResult:
+    def lookup(keys: Sequence[bytes]) -> Match:
         asked.append(keys)
-        return LookupResult.of_tiers(["host"] * min(held, len(keys)))
+        return Match(LookupResult.of_tiers(["host"] * min(held, len(keys))))
 
     return SchedulerSide(namespace(block_tokens), VLLM_BLOCK, lookup, **options), asked
 
@@ -76,8 +77,8 @@ def test_a_finished_request_says_which_level_each_prompt_token_came_from() -> No
     in no level."""
     tiers = ["host"] * 3 + ["ssd"] * 2 + ["redis"] * 4
 
-    def lookup(keys: Sequence[bytes]) -> LookupResult:
-        return LookupResult.of_tiers(tiers[: len(keys)])
+    def lookup(keys: Sequence[bytes]) -> Match:
+        return Match(LookupResult.of_tiers(tiers[: len(keys)]))
 
     side = SchedulerSide(namespace(32), VLLM_BLOCK, lookup)
     request = FakeRequest("r", list(range(1, 8 * 32 + 11)))  # 8 usable blocks of 9 held
@@ -94,7 +95,7 @@ def test_a_finished_request_says_which_level_each_prompt_token_came_from() -> No
 
 
 def test_a_lookup_failure_is_a_miss() -> None:
-    def down(keys: Sequence[bytes]) -> LookupResult:
+    def down(keys: Sequence[bytes]) -> Match:
         raise ConnectionError("daemon down")
 
     side = SchedulerSide(namespace(32), VLLM_BLOCK, down)
@@ -165,7 +166,7 @@ def test_stored_blocks_span_several_vllm_blocks(per_block: int) -> None:
 
 def test_block_tokens_must_be_a_multiple_of_vllms_block_size() -> None:
     with pytest.raises(ValueError, match="block_tokens 48 must be a multiple of vLLM's"):
-        SchedulerSide(namespace(48), VLLM_BLOCK, lambda keys: LookupResult(0))
+        SchedulerSide(namespace(48), VLLM_BLOCK, lambda keys: Match(LookupResult(0)))
 
 
 def test_roles_turn_loads_and_saves_off() -> None:
@@ -204,8 +205,8 @@ def test_a_preempted_request_gets_its_new_blocks_and_keeps_what_it_saved() -> No
 def hinting(tiers: list[str], **options: bool) -> tuple[SchedulerSide, list]:
     hints: list[tuple[str, Sequence[bytes]]] = []
 
-    def lookup(keys: Sequence[bytes]) -> LookupResult:
-        return LookupResult.of_tiers(tiers[: len(keys)])
+    def lookup(keys: Sequence[bytes]) -> Match:
+        return Match(LookupResult.of_tiers(tiers[: len(keys)]))
 
     def prefetch(request_id: str, keys: Sequence[bytes]) -> None:
         hints.append((request_id, keys))
@@ -256,7 +257,48 @@ def test_a_hint_moves_a_waiting_requests_blocks_up_to_the_host_tier(tmp_path: Pa
             client.prefetch(request_id, names, [keys])
 
         side = SchedulerSide(
-            names, VLLM_BLOCK, lambda k: client.lookup_tiers(names, k), prefetch=prefetch
+            names, VLLM_BLOCK, lambda k: Match(client.lookup_tiers(names, k)), prefetch=prefetch
         )
         assert side.matched_tokens(FakeRequest("waiting", prompts[0]), 0) == 8 * 32
         wait_for(lambda: set(client.lookup_tiers(names, keys).tiers) == {"host"}, timeout=10.0)
+
+
+def test_a_lookup_lease_goes_to_the_load_or_ends_once() -> None:
+    """The leases a lookup took (one per TP rank) pass to the step's load when vLLM admits
+    the request (from the first block it loads on), and end otherwise: asked again (vLLM
+    had no room), admitted with nothing to load, or finished before admission. Never
+    both, never twice."""
+    ended: list[int] = []
+    taken = iter(range(1, 1000))
+
+    def lookup(keys: Sequence[bytes]) -> Match:
+        offsets = tuple(range(0, 8 * len(keys), 8))
+        lease = SharedLease(next(taken), b"arena", offsets, float("inf"))
+        return Match(LookupResult.of_tiers(["host"] * len(keys)), (lease, None))
+
+    side = SchedulerSide(
+        namespace(32), VLLM_BLOCK, lookup, release=lambda ls: ended.extend(x.lease_id for x in ls)
+    )
+    asked = FakeRequest("asked", list(range(4 * 32 + 1)))
+    assert side.matched_tokens(asked, 0) == 4 * 32
+    # No room yet: asked again, vLLM's own prefix cache now holding the first block.
+    assert side.matched_tokens(asked, 32) == 3 * 32
+    assert ended == [1]
+    side.allocated(asked, list(range(10, 15)), 3 * 32)
+    assert ended == [1]
+    (load,) = side.plan_step().loads
+    lease, none = load.leases
+    assert none is None and lease is not None and lease.lease_id == 2
+    assert (load.first_block, len(load.keys), lease.offsets) == (1, 3, (8, 16, 24))
+    side.finished("asked")
+    assert ended == [1]  # the load's now
+
+    nothing = FakeRequest("nothing", list(range(100, 100 + 2 * 32 + 1)))
+    side.matched_tokens(nothing, 0)
+    side.allocated(nothing, [20, 21], 0)  # vLLM's own prefix cache had it all
+    assert ended == [1, 3]
+    gone = FakeRequest("gone", list(range(200, 200 + 2 * 32 + 1)))
+    side.matched_tokens(gone, 0)
+    side.finished("gone")
+    assert ended == [1, 3, 4]
+    assert not side.plan_step().loads

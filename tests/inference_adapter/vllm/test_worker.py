@@ -9,24 +9,35 @@ tensors of the same shapes and strides.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.client import (
+    ROOT_KEY,
+    KVStoreClient,
+    ModelFingerprint,
+    Namespace,
+    SharedLease,
+    block_keys,
+)
 from kvstore.inference_adapter.vllm.layout import LayerKV, layer_kv
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.scheduler import (
     LoadSpec,
+    Match,
     SaveSpec,
     StepPlan,
     held_by_every_rank,
 )
 from kvstore.inference_adapter.vllm.worker import WorkerSide
 from tests.support.daemon import Daemon
+from tests.support.waiting import wait_for
 
 LAYERS, HEADS, SIZE, DIM, BLOCKS = 3, 2, 32, 64, 16
 PER_BLOCK = 2  # a stored block spans two vLLM blocks
@@ -146,17 +157,22 @@ def test_blocks_saved_from_one_worker_load_into_another(
 
 def test_tensor_parallel_ranks_save_and_load_their_own_heads(daemon: Daemon) -> None:
     """TP=2: each rank's worker saves its share of the heads under its own keys, the
-    scheduler's lookup counts a block only once every rank holds it, and each rank loads
-    back exactly what it saved, never the other's."""
+    scheduler's lookup counts a block only once every rank holds it (and leases each rank's
+    blocks), and each rank loads back exactly what it saved, never the other's, through the
+    lease the lookup took for it (no Acquire of its own), which it then ends."""
     model = ModelFingerprint("tp-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS, tp_size=2)
     namespace = Namespace(model, "tp")
     keys = tuple(block_keys(list(range(3, 3 + 3 * BLOCK_TOKENS + 5)), namespace))
     source_ids = (3, 9, 1, 12, 5, 0)
     with KVStoreClient(daemon.address, retries=0, timeout=10.0) as client:
 
-        def held() -> int:
-            lookup = lambda shard: client.lookup_tiers(namespace, shard)  # noqa: E731
-            return held_by_every_rank(lookup, keys, 2).num_blocks
+        def release(leases: Sequence[SharedLease]) -> None:
+            for lease in leases:
+                client.release_lease(lease.lease_id)
+
+        def held() -> Match:
+            find = lambda shard: client.find(namespace, shard)  # noqa: E731
+            return held_by_every_rank(find, keys, 2, release)
 
         for rank in (0, 1):
             saver, source = worker_for(daemon, namespace, "split_nhd", "cpu", rank=rank)
@@ -169,20 +185,69 @@ def test_tensor_parallel_ranks_save_and_load_their_own_heads(daemon: Daemon) -> 
             step(saver, StepPlan(saves=(SaveSpec("r", keys, ROOT_KEY, 0, source_ids),)), compute)
             assert saver.wait_for_saves(30.0) and saver.save_counts()["stored"] == 3
             saver.close()
-            assert held() == (0 if rank == 0 else 3)  # rank 1 had nothing yet
+            match = held()
+            assert match.found.num_blocks == (0 if rank == 0 else 3)  # rank 1 had nothing yet
+            if rank == 0:  # nothing to load: the scheduler ends the leases it took
+                release([lease for lease in match.leases if lease is not None])
+        assert [len(lease.offsets) for lease in match.leases if lease] == [3, 3]
+        leases = match.leases
 
     target_ids = (10, 2, 14, 4, 6, 8)
     for rank in (1, 0):
         loader, target = worker_for(daemon, namespace, "split_nhd", "cpu", rank=rank)
-        load = LoadSpec("r2", keys, 0, target_ids, skip_before=0)
+        load = LoadSpec("r2", keys, 0, target_ids, skip_before=0, leases=leases)
         step(loader, StepPlan(loads=(load,)), lambda layer: None)
         assert loader.take_failed_blocks() == set()
+        assert (loader.counts["lookup_leased_blocks"], loader.counts["leased_blocks"]) == (3, 0)
         for layer in range(LAYERS):
             for kv, part in enumerate((target[layer].k, target[layer].v)):
                 for index, block in enumerate(target_ids):
                     expected = content(layer, kv + 2 * rank, SIZE, index * SIZE)
                     assert torch.equal(part[block], expected), (rank, layer, kv, index)
         loader.close()
+    with KVStoreClient(daemon.address, retries=0, timeout=10.0) as client:
+        wait_for(lambda: client.stats().active_leases == 0, timeout=10.0)  # both ended
+
+
+def test_a_lookup_lease_the_worker_cannot_use_is_ended_and_the_blocks_leased_anew(
+    daemon: Daemon,
+) -> None:
+    """A lease too close to its end for the load, or of an arena this process does not map
+    (the daemon restarted since the lookup), is not read: the worker leases the blocks
+    itself, loads them all the same, and ends the lookup's lease."""
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, "unusable-lease")
+    keys = tuple(block_keys(list(range(5, 5 + 2 * BLOCK_TOKENS + 1)), namespace))
+    saver, source = worker_for(daemon, namespace, "cpu", "cpu")
+
+    def compute(layer: int) -> None:
+        for index, block in enumerate((0, 1, 2, 3)):
+            for kv, part in enumerate((source[layer].k, source[layer].v)):
+                part[block] = content(layer, kv, SIZE, index * SIZE)
+
+    step(saver, StepPlan(saves=(SaveSpec("r", keys, ROOT_KEY, 0, (0, 1, 2, 3)),)), compute)
+    assert saver.wait_for_saves(30.0)
+    saver.close()
+    with KVStoreClient(daemon.address, retries=0, timeout=10.0) as client:
+        for unusable in ("expiring", "other arena"):
+            found = client.find(namespace, keys).shared()
+            assert found is not None and len(found.offsets) == 2
+            if unusable == "expiring":
+                found = dataclasses.replace(found, alive_until=time.monotonic() + 0.5)
+            else:
+                found = dataclasses.replace(found, arena_id=b"\0" * 16)
+            loader, target = worker_for(daemon, namespace, "cpu", "cpu")
+            load = LoadSpec("r2", keys, 0, (8, 9, 10, 11), skip_before=0, leases=(found,))
+            step(loader, StepPlan(loads=(load,)), lambda layer: None)
+            assert loader.take_failed_blocks() == set()
+            assert (loader.counts["lookup_leased_blocks"], loader.counts["leased_blocks"]) == (0, 2)
+            for layer in range(LAYERS):
+                for index, block in enumerate((8, 9, 10, 11)):
+                    assert torch.equal(
+                        target[layer].k[block], content(layer, 0, SIZE, index * SIZE)
+                    )
+            loader.close()
+            wait_for(lambda: client.stats().active_leases == 0, timeout=10.0), unusable
 
 
 def test_a_missing_block_loads_the_prefix_and_reports_the_rest(daemon: Daemon) -> None:
