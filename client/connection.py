@@ -86,6 +86,7 @@ class Connection:
         retries: int,
         staging_bytes: int = 256 << 20,
         pin_arena: bool = False,
+        session_calls: bool = True,
     ) -> None:
         if not address.startswith("unix:") and not address.rpartition(":")[2].isdigit():
             raise ValueError(
@@ -101,6 +102,7 @@ class Connection:
         self._token = token or ""
         self._staging_bytes = staging_bytes
         self._pin_arena = pin_arena
+        self._session_calls = session_calls
         self._use_shm = use_shm
         self._no_shm: set[str] = set()  # tenants whose session the daemon refused
         self._warned_no_shm = False  # the WARNING that shm is out has been logged
@@ -331,7 +333,9 @@ class Connection:
         info = self.info
         hello = Hello(self._token, tenant, self._staging_bytes, pin=self._can_pin())
         try:
-            opened = await ShmSession.open(info.shm_socket, hello, self._session_closed)
+            opened = await ShmSession.open(
+                info.shm_socket, hello, self._session_closed, calls=self._session_calls
+            )
         except (OSError, SessionError) as error:
             self._cannot_map(info.shm_socket, str(error))
             if isinstance(error, SessionError):

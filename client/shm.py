@@ -465,27 +465,32 @@ class ShmSession:
 
     @classmethod
     async def open(
-        cls, path: str, hello: Hello, on_closed: Callable[[], None] | None = None
+        cls,
+        path: str,
+        hello: Hello,
+        on_closed: Callable[[], None] | None = None,
+        *,
+        calls: bool = True,
     ) -> ShmSession:
         """Opens a session on the daemon's session socket ``path``; with ``hello.pin`` the
         arena is registered with CUDA when it can be (:class:`Arena`), and the daemon keeps
         its pages for as long as the session lasts. When the daemon serves calls on the
-        socket, ``calls`` carries them (:mod:`kvstore.client.calls`), and ``on_closed`` runs
-        once the daemon ends the session.
+        socket (and ``calls``), ``calls`` carries them (:mod:`kvstore.client.calls`), and
+        ``on_closed`` runs once the daemon ends the session.
 
         Raises:
             OSError: the socket cannot be reached.
             SessionError: the daemon refused (its gRPC status name in ``code``).
         """
         session = await asyncio.to_thread(cls._open_blocking, path, hello)
-        if session.info.calls and session._socket is not None:
-            calls = SessionCalls(session._socket, on_closed)
+        if calls and session.info.calls and session._socket is not None:
+            lane = SessionCalls(session._socket, on_closed)
             try:
-                await calls.start()
+                await lane.start()
             except BaseException:
                 await session.aclose()
                 raise
-            session.calls = calls
+            session.calls = lane
             attach = Hello(hello.token, hello.tenant, 0, session=session.info.session)
             session._attach = (path, attach)
         return session

@@ -105,6 +105,7 @@ class KVStoreClient:
         verify: bool = False,
         staging_bytes: int = 256 << 20,
         pin_arena: bool = False,
+        session_calls: bool = True,
     ) -> None:
         self._client = AsyncKVStoreClient(
             address,
@@ -116,6 +117,7 @@ class KVStoreClient:
             verify=verify,
             staging_bytes=staging_bytes,
             pin_arena=pin_arena,
+            session_calls=session_calls,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

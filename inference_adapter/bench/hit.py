@@ -16,13 +16,16 @@ same pool pages (from host memory laid out as stored; on CUDA, pinned), and a He
 (one gRPC round trip; its p50 is the unit of the fixed cost).
 
 Rows: ``cold``, the first ``--cold`` hits of the smallest prompt after the daemon started (a
-new client and connector); then per prompt size, ``--hits`` hits after as many warm-up ones.
-Each row: the hit's p50 and p90, the copy's p50, the fixed cost (hit less copy, also in
-Health round trips), copy over hit, and the p50 of each phase of the hit's timeline
-(:mod:`~kvstore.inference_adapter.core.timeline`). ``--concurrent M`` admits M requests of
-the smallest size at once, as the engine admits a batch (M lookups, M loads started, then
-every layer of each): the time per hit against one at a time, and the daemon's CPU seconds
-per hit. Prints markdown tables; ``--json`` writes every figure.
+new client and connector); then per prompt size, ``--hits`` hits after as many warm-up ones;
+last, the smallest again with the read path's calls over gRPC instead of the shm session's
+socket (the control of that choice). Each row: the hit's p50 and p90, the copy's p50, the
+fixed cost (hit less copy, also in Health round trips), copy over hit, the p50 of each
+phase of the hit's timeline (:mod:`~kvstore.inference_adapter.core.timeline`), and the
+hand-off per layer (the layers phase less their share of the copy, per layer).
+``--concurrent M`` admits M requests of the smallest size at once, as the engine admits a
+batch (M lookups, M loads started, then every layer of each): the time per hit against one
+at a time, and the daemon's CPU seconds per hit. Prints markdown tables; ``--json`` writes
+every figure.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class Row:
     fixed_round_trips: float  # the same in Health round trips of this run
     copy_over_hit: float
     phases_ms: dict[str, float]  # p50 of each phase of the timeline
+    # Per layer after the first: the layers phase less a layer's share of the copy_
+    handoff_us: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +174,12 @@ class HitBench:
                 writer.put(self.namespace, keys, blocks)
 
     @contextlib.contextmanager
-    def connector(self) -> Iterator[StoreConnector]:
-        """A new client and connector, as an engine starting up makes them."""
-        with KVStoreClient(self.store.address, timeout=10.0, retries=0, pin_arena=True) as client:
+    def connector(self, session_calls: bool = True) -> Iterator[StoreConnector]:
+        """A new client and connector, as an engine starting up makes them (with
+        ``session_calls`` off, the lookup and the lease go over gRPC)."""
+        with KVStoreClient(
+            self.store.address, timeout=10.0, retries=0, pin_arena=True, session_calls=session_calls
+        ) as client:
             connector = StoreConnector(
                 client,
                 self.namespace,
@@ -257,8 +265,10 @@ def row(
         if phase != "total"
     }
     fixed = max(0.0, p50 - copy_ms)
+    layers = len(timelines[0].layers)
+    per_layer = (phases["layers"] - copy_ms * (layers - 1) / layers) / max(1, layers - 1)
     return Row(name, n, len(timelines), p50, p90, copy_ms, fixed, fixed / health_ms,
-               copy_ms / p50, phases)  # fmt: skip
+               copy_ms / p50, phases, max(0.0, 1000 * per_layer))  # fmt: skip
 
 
 def daemon_cpu_seconds(pid: int) -> float:
@@ -271,13 +281,14 @@ def daemon_cpu_seconds(pid: int) -> float:
 
 def render(rows: Sequence[Row], concurrent: Sequence[Concurrent], about: dict[str, object]) -> str:
     head = ("hit", "p50 ms", "p90 ms", "copy_ ms", "fixed ms", "round trips", "copy_/hit",
-            *(f"{phase} ms" for phase in SHOWN_PHASES))  # fmt: skip
+            *(f"{phase} ms" for phase in SHOWN_PHASES), "hand-off us/layer")  # fmt: skip
     lines = [", ".join(f"{key} {value}" for key, value in about.items()), ""]
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         cells = (f"{r.name} {r.tokens}", f"{r.p50_ms:.2f}", f"{r.p90_ms:.2f}", f"{r.copy_ms:.2f}",
                  f"{r.fixed_ms:.2f}", f"{r.fixed_round_trips:.1f}", f"{r.copy_over_hit:.2f}",
-                 *(f"{r.phases_ms[phase]:.3f}" for phase in SHOWN_PHASES))  # fmt: skip
+                 *(f"{r.phases_ms[phase]:.3f}" for phase in SHOWN_PHASES),
+                 f"{r.handoff_us:.0f}")  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     if concurrent:
         lines += ["", "| requests at once | batch p50 ms | per hit ms | per hit / one | "
@@ -351,6 +362,13 @@ def run(
             together = [
                 _concurrent(bench, connector, smallest, m, hits, single) for m in concurrent
             ]
+        with bench.connector(session_calls=False) as connector:  # the control: over gRPC
+            progress(f"{hits} warm hits of {smallest} tokens, the calls over gRPC")
+            for _ in range(hits):  # warm-up
+                bench.hits(connector, smallest, [0])
+            timed = [t for _ in range(hits) for t in bench.hits(connector, smallest, [0])]
+            copy = bench.copy_ms(smallest, 20)
+            rows.append(row("warm, gRPC calls", smallest, timed, copy, health))
     about: dict[str, object] = {
         "device": str(device),
         "geometry": f"{geometry.num_layers} layers x {geometry.num_kv_heads} KV heads x "
