@@ -1,19 +1,27 @@
-"""``kvstore bench gpu``: TTFT of a store hit against recomputing the prompt, and the rates of
-KV loads and saves against the host link's, per prompt length, on the GPU (tiny on the CPU).
+"""``kvstore bench gpu``: TTFT of a store hit and of a store miss against recomputing the
+prompt, and the rates of KV loads and saves against the host link's, per prompt length, on
+the GPU (tiny on the CPU).
 
 One run builds a random Llama of ``--model``'s shape (:mod:`.gpu_models`) in ``--dtype``,
 measures the copy limits (:mod:`.bandwidth`), starts a daemon (host tier only, 1.5 times the
 largest prompt's KV; each row's blocks are deleted after it) and, per prompt length, with a
-prompt of random tokens of its own:
+prompt of random tokens of its own, two engines alike but for the connector: one without
+(store off), one with a ``StoreConnector`` (store on). After a miss and a hit of a short
+prompt take the store engine's first-call costs:
 
-1. recompute: an engine without a connector prefills the prompt and samples one token
-   (greedy, ``max_tokens=1``); TTFT is the median of ``--repeats`` runs after a warm-up;
-2. miss: an engine with a ``StoreConnector``, on a store that lacks the prompt, once; its
-   TTFT over recompute's, less one, is the save overhead (the save is queued after the first
-   token); the save rate is the KV stored over the time from ``save`` to the queue drained;
+1. recompute and miss, in turns (a shared machine's drift weighs on both alike), ``--repeats``
+   of each after a warm-up pair, each run ``--decode-tokens`` long (greedy): recompute runs
+   the row's prompt through the store-off engine; a miss runs a prompt of fresh random tokens
+   (one a run: the store has never seen it) through the store-on engine, which looks it up,
+   finds nothing, computes it and saves it (queued after the first token, put while it
+   decodes; the blocks are deleted once saved, untimed). TTFT and decode tokens per second
+   (the tokens after the first over the time after it) are medians; a miss's over
+   recompute's is the miss overhead, its TTFT's target ``gpu_report.MISS_TTFT_TARGET`` (3%);
+2. save run: the row's prompt through the store-on engine, once, one token; its TTFT over
+   recompute's, less one, is the save overhead; the save rate is the KV stored over the time
+   from ``save`` to the queue drained;
 3. hit: the same prompt through that engine, a fresh request each time (median of
-   ``--repeats`` after a warm-up), each one checked to have loaded its blocks (before the
-   miss, a two-block prompt missed and hit once takes the first-call costs);
+   ``--repeats`` after a warm-up), each one checked to have loaded its blocks;
 4. load: the connector protocol alone (``num_loadable_tokens``, pages, ``start_load``, every
    layer's ``wait_for_layer_load``, device synchronised); the rate is the KV loaded over the
    time from ``start_load`` to synchronised (median of ``--repeats``; the lookup apart).
@@ -21,10 +29,10 @@ prompt of random tokens of its own:
 TTFT is the engine's own (admission to the first token, lookup and loads included); a hit's
 is split into the engine thread's time in the lookup, in ``start_load``, waiting for layers,
 and the rest (the tail's compute, sampling). The first
-token of recompute, miss and every hit must agree: exit status 1 when a row's differ. A row
-whose connector refuses the block and page sizes (ValueError) is reported as skipped, with its
-recompute TTFT. The table and ``--json FILE`` (every figure: ``setup``, ``limits``, ``rows``)
-come from :mod:`.gpu_report`.
+token of recompute, the save run and every hit must agree: exit status 1 when a row's differ.
+A row whose connector refuses the block and page sizes (ValueError) is reported as skipped,
+with its recompute figures. The tables and ``--json FILE`` (every figure: ``setup``,
+``limits``, ``rows``) come from :mod:`.gpu_report`.
 """
 
 from __future__ import annotations
@@ -60,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", type=int, default=256, help="the store's block size")
     parser.add_argument("--page-tokens", type=int, default=16, help="the engine's page size")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure")
+    parser.add_argument("--decode-tokens", type=int, default=16,
+                        help="tokens of each recompute and miss run (decode tok/s: all but "
+                             "the first)")  # fmt: skip
     parser.add_argument("--copy-mib", type=int, help="copy size of the limits (1024; CPU 64)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
@@ -67,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = sorted(set(args.prompts))
     if min(args.block_tokens, args.page_tokens, args.repeats) < 1:
         parser.error("--block-tokens, --page-tokens and --repeats must be >= 1")
+    if args.decode_tokens < 2:
+        parser.error("--decode-tokens must be >= 2 (decode is the tokens after the first)")
     if prompts[0] <= args.block_tokens:
         parser.error(f"every prompt must be longer than a block ({args.block_tokens} tokens)")
     threads = torch.get_num_threads()
@@ -80,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args: argparse.Namespace, prompts: list[int]) -> int:
     """Measures, prints the table, writes the JSON; the exit status."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = model_config(args.model, max_positions=prompts[-1])
+    config = model_config(args.model, max_positions=prompts[-1] + args.decode_tokens)
     copy_mib = args.copy_mib or (1024 if device.type == "cuda" else 64)
     progress(f"copy limits ({copy_mib} MiB copies)")
     limits = copy_limits(device, copy_mib * MIB, LIMIT_REPEATS)

@@ -1,10 +1,11 @@
 """The measurements of ``kvstore bench gpu`` for one prompt length (:class:`GpuBench`).
 
 ``GpuBench.row(tokens, limits)`` runs the phases the command's docstring describes
-(:mod:`.gpu`): recompute, a warm-up, the miss and its save, the hits, the protocol-only
-loads, and returns the row's figures as a JSON-ready dict; then it deletes the row's blocks,
-so that every row starts on an empty store. A run that cannot be vouched for
-(the cold run loaded, saves lost, a hit that loaded less) raises ``BenchmarkError``.
+(:mod:`.gpu`): a warm-up, recompute and misses in turns, the save run, the hits, the
+protocol-only loads, and returns the row's figures as a JSON-ready dict; then it deletes the
+row's blocks, so that every row starts on an empty store (a miss's blocks go as soon as its
+saves drained). A run that cannot be vouched for (a miss or the save run loaded, saves lost,
+a hit that loaded less) raises ``BenchmarkError``.
 """
 
 from __future__ import annotations
@@ -81,10 +82,36 @@ class Run:
     """One request through an engine."""
 
     ttft_s: float
-    token: int
+    output: tuple[int, ...]
     loaded_tokens: int
     logits: torch.Tensor  # [vocab_size] of the last prompt token
+    decode_s: float  # from the first token to the last
     phases: dict[str, float] = field(default_factory=dict)  # TimedConnector.phases, seconds
+
+    @property
+    def token(self) -> int:
+        """The first token, sampled from ``logits``."""
+        return self.output[0]
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first (0 for a run of one token)."""
+        return (len(self.output) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class _Tap:
+    """``Engine.generate``'s ``on_token``: keeps the first token's logits and the time the
+    last token came."""
+
+    model: TappedModel
+    logits: torch.Tensor | None = None  # [vocab_size]
+    last_at: float = 0.0
+
+    def __call__(self, request: Request, token: int) -> None:
+        if self.logits is None:
+            self.logits = self.model.last_logits
+        self.last_at = time.perf_counter()
 
 
 class GpuBench:
@@ -93,7 +120,7 @@ class GpuBench:
     def __init__(self, model: TappedModel, client: KVStoreClient, args: argparse.Namespace) -> None:
         self.model, self.client = model, client
         self.block_tokens, self.page_tokens = args.block_tokens, args.page_tokens
-        self.repeats = args.repeats
+        self.repeats, self.decode_tokens = args.repeats, args.decode_tokens
         self.namespace = namespace_for(
             model.config, model_name=f"bench-gpu-{args.model}", block_tokens=args.block_tokens
         )
@@ -104,16 +131,14 @@ class GpuBench:
         vocab, warm_up = self.model.config.vocab_size, 2 * self.block_tokens + 1
         generator = torch.Generator().manual_seed(tokens)
         ids: list[int] = torch.randint(0, vocab, (tokens + warm_up,), generator=generator).tolist()
+        # the misses' prompts, one a run: tokens the store has never seen
+        fresh = torch.randint(0, vocab, (self.repeats + 1, tokens), generator=generator).tolist()
         prompt = ids[:tokens]
-        kv_bytes = tokens * self.block_bytes // self.block_tokens
-        recompute = self._recompute(prompt)
         row: dict[str, object] = {
             "prompt_tokens": tokens,
-            "kv_bytes": kv_bytes,
-            "ttft_recompute_ms": _ms(statistics.median(r.ttft_s for r in recompute)),
-            "ttft_recompute_ms_all": [_ms(r.ttft_s) for r in recompute],
+            "kv_bytes": tokens * self.block_bytes // self.block_tokens,
         }
-        engine = self._engine(tokens)
+        off, engine = self._engine(tokens), self._engine(tokens)
         try:
             connector = TimedConnector(
                 self.client,
@@ -121,39 +146,77 @@ class GpuBench:
                 kv_pool=engine.kv_pool,
                 page_tokens=engine.page_tokens,
                 rope_tables=engine.rope_tables,
-                save_queue_size=tokens // self.block_tokens + 1,
+                save_queue_size=(tokens + self.decode_tokens) // self.block_tokens + 1,
                 load_timeout_s=LOAD_TIMEOUT_S,
             )
         except ValueError as error:
-            return {**row, "skipped": str(error)}
+            recompute, _ = self._recompute_and_miss(off, None, prompt, fresh)
+            return {**row, **_recompute_figures(recompute), "skipped": str(error)}
         engine.connector = connector
         with contextlib.closing(connector):
             self._warm_up(engine, connector, ids[tokens:])
+            recompute, misses = self._recompute_and_miss(off, (engine, connector), prompt, fresh)
+            row |= _recompute_figures(recompute) | _miss_figures(misses, recompute)
             row.update(self._with_store(engine, connector, prompt, recompute, limits))
         for tokens_saved in (prompt, ids[tokens:]):  # the next row starts on an empty store
             self.client.delete(self.namespace, block_keys(tokens_saved, self.namespace))
-        del engine, connector
+        del off, engine, connector
         _free(self.model.device)
         return row
 
     def _engine(self, tokens: int) -> Engine:
-        num_pages = pages_for(tokens, self.page_tokens) + 1
+        num_pages = pages_for(tokens + self.decode_tokens - 1, self.page_tokens) + 1
         return Engine(self.model, num_pages=num_pages, page_tokens=self.page_tokens, max_batch=1)
 
-    def _run(self, engine: Engine, prompt: list[int], name: str) -> Run:
-        request = Request(name, prompt, SamplingParams(max_tokens=1))
+    def _run(self, engine: Engine, prompt: list[int], name: str, max_tokens: int = 1) -> Run:
+        request = Request(name, prompt, SamplingParams(max_tokens=max_tokens))
+        tap = _Tap(self.model)
         synchronize(self.model.device)
-        engine.generate([request])
-        logits = self.model.last_logits
-        assert logits is not None
-        return Run(request.ttft_s, request.output[0], request.num_loaded_tokens, logits)
+        started = time.perf_counter()
+        engine.generate([request], tap)
+        assert tap.logits is not None
+        return Run(
+            request.ttft_s,
+            tuple(request.output),
+            request.num_loaded_tokens,
+            tap.logits,
+            decode_s=tap.last_at - started - request.ttft_s,
+        )
 
-    def _recompute(self, prompt: list[int]) -> list[Run]:
-        engine = self._engine(len(prompt))
-        runs = [self._run(engine, prompt, f"recompute-{i}") for i in range(self.repeats + 1)]
-        del engine
-        _free(self.model.device)
-        return runs[1:]
+    def _recompute_and_miss(
+        self,
+        off: Engine,
+        store: tuple[Engine, TimedConnector] | None,
+        prompt: list[int],
+        fresh: list[list[int]],
+    ) -> tuple[list[Run], list[Run]]:
+        """Recompute runs of ``prompt`` on ``off`` (no connector) and, given ``store``,
+        misses of the ``fresh`` prompts through its connector, one of each in turn so that a
+        shared machine's drift weighs on both alike; the first pair warms up, untimed."""
+        recompute, misses = [], []
+        for i, miss_prompt in enumerate(fresh):
+            recompute.append(self._run(off, prompt, f"recompute-{i}", self.decode_tokens))
+            if store is not None:
+                misses.append(self._miss(*store, miss_prompt, i))
+        return recompute[1:], misses[1:]
+
+    def _miss(self, engine: Engine, connector: TimedConnector, prompt: list[int], i: int) -> Run:
+        """A run of a prompt the store lacks, which must load nothing and save its blocks;
+        once they are saved (untimed) they are deleted, so that the store stays as it was."""
+        stored_before = connector.stats().saves.stored
+        connector.phases.clear()
+        run = self._run(engine, prompt, f"miss-{i}", self.decode_tokens)
+        run = replace(run, phases=dict(connector.phases))
+        if run.loaded_tokens:
+            raise BenchmarkError(f"{len(prompt)} tokens, miss {i}: loaded {run.loaded_tokens}")
+        if not connector.wait_for_saves(SAVE_TIMEOUT_S):
+            raise BenchmarkError(f"{len(prompt)} tokens, miss {i}: the saves did not drain")
+        saved = connector.stats().saves.stored - stored_before
+        if saved < len(prompt) // self.block_tokens:
+            raise BenchmarkError(f"{len(prompt)} tokens, miss {i}: {saved} blocks saved")
+        context = prompt + list(run.output[:-1])  # the last token's KV was never computed
+        self.client.delete(self.namespace, block_keys(context, self.namespace))
+        return run
 
     def _with_store(
         self,
@@ -163,14 +226,15 @@ class GpuBench:
         recomputed: list[Run],
         limits: Limits,
     ) -> dict[str, object]:
-        """The miss, the hits and the loads of ``prompt``, against its recompute runs."""
+        """The save run (the first of ``prompt``), the hits and the loads, against its
+        recompute runs."""
         bt, tokens, recompute = self.block_tokens, len(prompt), recomputed[0]
         recompute_s = statistics.median(r.ttft_s for r in recomputed)
         stored_before = connector.stats().saves.stored
         connector.save_started = None
-        miss = self._run(engine, prompt, "miss")
-        if miss.loaded_tokens:
-            raise BenchmarkError(f"{tokens} tokens: the cold run loaded {miss.loaded_tokens}")
+        first = self._run(engine, prompt, "save-run")
+        if first.loaded_tokens:
+            raise BenchmarkError(f"{tokens} tokens: the save run loaded {first.loaded_tokens}")
         if not connector.wait_for_saves(SAVE_TIMEOUT_S) or connector.save_started is None:
             raise BenchmarkError(f"{tokens} tokens: the saves did not drain")
         save_s = time.perf_counter() - connector.save_started
@@ -181,7 +245,7 @@ class GpuBench:
         loads = [self._load(engine, connector, prompt, i) for i in range(self.repeats)]
         load_s = statistics.median(load for _, load in loads)
         load_bytes = hits[0].loaded_tokens * self.block_bytes // bt
-        tokens_seen = {recompute.token, miss.token, *(hit.token for hit in hits)}
+        tokens_seen = {recompute.token, first.token, *(hit.token for hit in hits)}
         top = recompute.logits.float().topk(2).values
         load_gbps, save_gbps = load_bytes / load_s / 1e9, saved * self.block_bytes / save_s / 1e9
         hit_s = statistics.median(hit.ttft_s for hit in hits)
@@ -197,8 +261,8 @@ class GpuBench:
             "ttft_hit_ms": _ms(hit_s),
             "ttft_hit_ms_all": [_ms(hit.ttft_s) for hit in hits],
             "hit_vs_recompute": hit_s / recompute_s,
-            "ttft_miss_ms": _ms(miss.ttft_s),
-            "save_overhead": miss.ttft_s / recompute_s - 1,
+            "ttft_save_run_ms": _ms(first.ttft_s),
+            "save_overhead": first.ttft_s / recompute_s - 1,
             "loaded_tokens": hits[0].loaded_tokens,
             "loaded_blocks_per_hit": hits[0].loaded_tokens // bt,
             "load_bytes": load_bytes,
@@ -267,6 +331,32 @@ class GpuBench:
                 f"tokens loaded{'' if loaded else ' (failed)'}"
             )
         return lookup_s, load_s
+
+
+def _recompute_figures(runs: list[Run]) -> dict[str, object]:
+    return {
+        "ttft_recompute_ms": _ms(statistics.median(run.ttft_s for run in runs)),
+        "ttft_recompute_ms_all": [_ms(run.ttft_s) for run in runs],
+        "decode_tok_s_recompute": statistics.median(run.decode_tok_s for run in runs),
+    }
+
+
+def _miss_figures(misses: list[Run], recomputed: list[Run]) -> dict[str, object]:
+    """The misses' medians (TTFT, the engine thread's time in the lookup, decode tokens per
+    second), and over recompute's: TTFT (and less one, the overhead), decode tokens per
+    second."""
+    ttft_s = statistics.median(run.ttft_s for run in misses)
+    tok_s = statistics.median(run.decode_tok_s for run in misses)
+    ratio = ttft_s / statistics.median(run.ttft_s for run in recomputed)
+    return {
+        "ttft_miss_ms": _ms(ttft_s),
+        "ttft_miss_ms_all": [_ms(run.ttft_s) for run in misses],
+        "miss_lookup_ms": _ms(statistics.median(run.phases.get("lookup", 0.0) for run in misses)),
+        "decode_tok_s_miss": tok_s,
+        "miss_vs_recompute": ratio,
+        "miss_overhead": ratio - 1,
+        "miss_tok_s_vs_recompute": tok_s / statistics.median(r.decode_tok_s for r in recomputed),
+    }
 
 
 def _ms(seconds: float) -> float:

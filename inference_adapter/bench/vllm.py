@@ -1,12 +1,31 @@
-"""``kvstore bench vllm``: multi-turn chats through vLLM, without and with KVStoreConnector.
+"""``kvstore bench vllm``: multi-turn chats through vLLM, without KVStoreConnector, with it,
+and with it on misses only.
 
 Runs where vLLM is installed. In one run: a random Llama checkpoint (``--size bench``: 8
 layers x 768 hidden, 12 heads over 4 KV heads, float32), a daemon on its embedded defaults
 but for a host tier sized to the workload and no SSD, and the chat driver
-(:mod:`.vllm_chat`) twice, each in its own vLLM process: once without a connector (the
-limit: vLLM recomputes every prompt; its own prefix cache is off in both), once with
-KVStoreConnector. It prints, per turn, TTFT p50/p90 of both and their ratio, the prompt
-tokens each computed, and whether the greedy tokens are identical (exit status 1 if not).
+(:mod:`.vllm_chat`) three times, each in its own vLLM process, on the same chats (vLLM's own
+prefix cache off in all), 1 and 3 back to back (a shared machine drifts less between them):
+
+1. store off: no connector, vLLM recomputes every prompt (the limit);
+2. store on: KVStoreConnector on a fresh daemon: turn 1 of each session misses, later turns
+   load the earlier ones;
+3. store on, misses only: KVStoreConnector on another fresh daemon, the driver's
+   ``--misses``: between turns (untimed, with the think time) it deletes every block the
+   turn saved, so each request looks up, finds nothing, computes its prompt and saves it.
+   The prompts are the store-off run's, token for token, so each request's TTFT and decode
+   rate are weighed against the same request without the store: what a miss costs.
+
+It prints, per turn, TTFT p50/p90 of runs 1 and 2 and their ratio, the prompt tokens each
+computed; then per turn, TTFT p50 and decode tokens per second p50 (the answer's tokens
+after the first over the time after the first, by vLLM's timestamps) of runs 1 and 3 and
+the miss's change over store off, and over every request the median of the per-request
+ratios against the target (``gpu_report.MISS_TTFT_TARGET``: a miss adds at most 3% to
+TTFT). Exit status 1 when a run's greedy tokens differ from store off's, or when a request
+of run 3 found something to load (it would not be a miss). The runs are processes of their
+own, one after the other: a load that comes and goes on a shared machine weighs on one and
+not the other, so a few percent are only read on a quiet machine (``kvstore bench gpu``
+alternates its store-off and miss runs instead).
 """
 
 from __future__ import annotations
@@ -26,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.inference_adapter.bench.daemon import TierSetup, running_store
+from kvstore.inference_adapter.bench.gpu_report import MISS_TTFT_TARGET
 from kvstore.inference_adapter.bench.vllm_chat import MODEL_SIZES, ChatShape, write_model
 from kvstore.inference_adapter.levels import by_level
 from kvstore.launch import module_command
@@ -67,21 +87,26 @@ def main(argv: list[str] | None = None) -> int:
             write_model(model, args.size)
         setup = TierSetup("host", host_bytes=_host_bytes(model, shape))
         without = _chat(model, shape, None)
-        with running_store(setup) as store:
+        with running_store(setup) as store:  # right after store off: less drift between them
+            misses = _chat(model, shape, json.dumps({"address": store.address}), "--misses")
+        with running_store(setup) as store:  # fresh: nothing of the chats above
             with_store = _chat(model, shape, json.dumps({"address": store.address}))
     if args.json:
-        args.json.write_text(json.dumps({"without": without, "with": with_store}))
+        args.json.write_text(json.dumps({"without": without, "with": with_store, "misses": misses}))
     print(_report(args.size, shape, setup, without, with_store))
-    return 0 if _tokens(without) == _tokens(with_store) else 1
+    print(_miss_report(shape, without, misses))
+    same = _tokens(without) == _tokens(with_store) == _tokens(misses)
+    return 0 if same and not _cached(misses) else 1
 
 
-def _chat(model: Path, shape: ChatShape, connector: str | None) -> dict[str, Any]:
+def _chat(model: Path, shape: ChatShape, connector: str | None, *more: str) -> dict[str, Any]:
     command = module_command("kvstore.inference_adapter.bench.vllm_chat")
     command += ["--model", str(model)]
     for name, value in asdict(shape).items():
         command += [f"--{name.replace('_', '-')}", str(value)]
     if connector is not None:
         command += ["--connector", connector]
+    command += more
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
@@ -164,6 +189,77 @@ def _report(
         f"kvstore run, {by_level(levels, computed=int(total - saved))}",
     ]
     return "\n".join(lines)
+
+
+def _miss_report(shape: ChatShape, without: dict[str, Any], misses: dict[str, Any]) -> str:
+    """Per turn, store off against store on with every request a miss; then over all
+    requests, the median of each one's miss over its store-off self."""
+    lines = [
+        "",
+        "store on, every request a miss (the same chats; each turn's saved blocks deleted "
+        "before the next turn):",
+        "",
+        "| turn | prompt tokens | TTFT p50 store off | TTFT p50 store miss | miss TTFT overhead "
+        "| decode tok/s p50 store off | decode tok/s p50 store miss | miss tok/s change "
+        "| tokens identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    off_ttft, miss_ttft = _by_turn(without, "ttft_s"), _by_turn(misses, "ttft_s")
+    off_rate, miss_rate = _decode_rates(without), _decode_rates(misses)
+    prompts = _by_turn(without, "prompt_tokens")
+    pairs = list(zip(without["sessions"], misses["sessions"], strict=True))
+    for turn in range(shape.turns):
+        same = all(a[turn]["tokens"] == b[turn]["tokens"] for a, b in pairs)
+        ttft = statistics.median(off_ttft[turn]), statistics.median(miss_ttft[turn])
+        rate = statistics.median(off_rate[turn]), statistics.median(miss_rate[turn])
+        lines.append(
+            f"| {turn + 1} | {statistics.mean(prompts[turn]):.0f} | {ttft[0] * 1e3:.0f} ms "
+            f"| {ttft[1] * 1e3:.0f} ms | {_change(ttft[1] / ttft[0])} | {rate[0]:.1f} "
+            f"| {rate[1]:.1f} | {_change(_ratio(rate[1], rate[0]))} | {'yes' if same else 'NO'} |"
+        )
+    ttft_ratio = _median_ratio(miss_ttft, off_ttft)
+    rate_ratio = _median_ratio(miss_rate, off_rate)
+    verdict = "within" if ttft_ratio - 1 <= MISS_TTFT_TARGET else "OVER"
+    cached = _cached(misses)
+    lines += [
+        "",
+        f"a miss over store off (median of {sum(map(len, off_ttft))} requests' ratios): TTFT "
+        f"{_change(ttft_ratio)} ({verdict} the {MISS_TTFT_TARGET:.0%} target), decode tok/s "
+        f"{_change(rate_ratio)}; the misses saved {misses.get('forgotten_blocks', 0)} blocks, "
+        f"loaded {cached} prompt tokens" + ("" if not cached else " (NOT all misses)"),
+    ]
+    return "\n".join(lines)
+
+
+def _decode_rates(report: dict[str, Any]) -> list[list[float]]:
+    """Per turn, per session, the answer's tokens after the first per second after it."""
+    return [
+        [_ratio(len(turn["tokens"]) - 1, turn["decode_s"]) for turn in turns]
+        for turns in zip(*report["sessions"], strict=True)
+    ]
+
+
+def _median_ratio(numerators: list[list[float]], denominators: list[list[float]]) -> float:
+    """The median over every request of its numerator over its denominator."""
+    return statistics.median(
+        _ratio(n, d)
+        for ns, ds in zip(numerators, denominators, strict=True)
+        for n, d in zip(ns, ds, strict=True)
+    )
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+def _change(ratio: float) -> str:
+    """A ratio as the change it makes: 1.02 -> ``+2.0%``."""
+    return f"{(ratio - 1) * 100:+.1f}%"
+
+
+def _cached(report: dict[str, Any]) -> int:
+    """Prompt tokens the run's requests took from a cache."""
+    return sum(turn["cached_tokens"] for session in report["sessions"] for turn in session)
 
 
 if __name__ == "__main__":

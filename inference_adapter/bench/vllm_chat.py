@@ -5,10 +5,17 @@ kvstore.inference_adapter.bench.vllm_chat --help``) and prints one JSON object: 
 per turn, the greedy output tokens, the prompt tokens vLLM took from a cache
 (``num_cached_tokens``: kvstore's, and with ``--prefix-caching`` vLLM's own too), the same
 by level as the connector reports them (``levels``: ``hbm`` for vLLM's own prefix cache,
-``host``/``ssd``/``redis`` for the daemon's tiers) and the time to first token. The tests
-and ``kvstore bench vllm`` compare such runs. Between turns the driver lets the connector's
-saves reach the daemon (a user's think time is longer than a put), untimed, so that a turn's
-hits do not depend on how fast the previous turn's background puts ran.
+``host``/``ssd``/``redis`` for the daemon's tiers), the time to first token and the decode
+time (first token to last, vLLM's own timestamps). The tests and ``kvstore bench vllm``
+compare such runs. Between turns the driver lets the connector's saves reach the daemon (a
+user's think time is longer than a put), untimed, so that a turn's hits do not depend on how
+fast the previous turn's background puts ran.
+
+``--misses`` makes every request a miss while the prompts stay the chat's: between turns,
+once the saves landed, the driver deletes from the daemon every block a session's context
+(prompt and answer) has, so the connector looks up, finds nothing, computes and saves, turn
+after turn (``forgotten_blocks`` counts the blocks deleted: what the misses saved). It needs
+the connector's worker in this process (tensor parallel 1), whose namespace names the keys.
 
 ``write_model(folder, size)`` writes a random Llama checkpoint (``config.json`` and
 safetensors, the weights kvstore's own engine draws for the same seed, scaled by ``gain``
@@ -25,6 +32,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -238,9 +246,11 @@ def run_chats(
     shape: ChatShape,
     after_turn: dict[int, list[str]] | None = None,
     users: list[list[list[int]]] | None = None,
+    between_turns: Callable[[list[list[int]]], None] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Plays every session turn by turn (sessions interleaved per turn, one request each);
-    after turn ``n`` (1-based) the shell commands ``after_turn[n]`` run, in order. The
+    after turn ``n`` (1-based), once its saves landed, ``between_turns`` gets each session's
+    context (prompt and answer) and the shell commands ``after_turn[n]`` run, in order. The
     users' turns are ``users`` (per session, per turn, token ids; ``shape`` says only how
     long answers are) or else ``chat_turns(shape)``."""
     from vllm import SamplingParams
@@ -268,14 +278,24 @@ def run_chats(
                     "cached_tokens": int(output.num_cached_tokens or 0),
                     "levels": (output.kv_transfer_params or {}).get(LEVELS_PARAM, {}),
                     "ttft_s": ttft,
+                    "decode_s": _decode_s(metrics) or max(0.0, elapsed - ttft),
                     "wall_s": elapsed,
                 }
             )
             histories[session] = prompt + tokens
         _drain_saves()  # a user's think time: the turn's saves land before the next turn
+        if between_turns is not None:
+            between_turns(histories)
         for command in (after_turn or {}).get(turn + 1, []):
             subprocess.run(command, shell=True, check=True)
     return results
+
+
+def _decode_s(metrics: Any) -> float:
+    """First token to last by vLLM's timestamps (0 when it kept none)."""
+    first = getattr(metrics, "first_token_ts", 0.0) or 0.0
+    last = getattr(metrics, "last_token_ts", 0.0) or 0.0
+    return last - first if 0 < first <= last else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path,
                         help="the users' turns as JSON (per session, per turn, token ids), "
                              "instead of random ones: a real chat")  # fmt: skip
+    parser.add_argument("--misses", action="store_true",
+                        help="delete each turn's saved blocks before the next turn: every "
+                             "request a miss (needs --connector)")  # fmt: skip
     parser.add_argument("--baseline-first", action="store_true",
                         help="play the chats without a connector first, in the same process "
                              "(the report's 'baseline')")  # fmt: skip
@@ -310,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in asdict(ChatShape()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     args = parser.parse_args(argv)
+    if args.misses and (args.connector is None or args.tensor_parallel_size != 1):
+        parser.error("--misses needs --connector and --tensor-parallel-size 1")
     if args.write_model:
         write_model(args.model, args.write_model, arch=args.arch)
     shape = ChatShape(**{name: getattr(args, name) for name in asdict(ChatShape())})
@@ -353,10 +378,35 @@ def _play(
         prefix_caching=args.prefix_caching,
     )
     start_s = time.perf_counter() - started
-    sessions = run_chats(llm, shape, hooks, users)
+    forget = _Forget(connector) if connector is not None and args.misses else None
+    sessions = run_chats(llm, shape, hooks, users, forget)
     report = {"engine_start_s": start_s, "sessions": sessions, "connector": _connector_stats(llm)}
+    if forget is not None:
+        report["forgotten_blocks"] = forget.blocks
     llm.llm_engine.engine_core.shutdown()
     return report
+
+
+@dataclass(slots=True)
+class _Forget:
+    """``between_turns`` for ``--misses``: deletes every block of each context from the
+    daemon the ``connector`` settings name, under the worker's namespace; ``blocks`` counts
+    what was deleted."""
+
+    connector: dict[str, Any]
+    blocks: int = 0
+
+    def __call__(self, contexts: list[list[int]]) -> None:
+        from kvstore.client import KVStoreClient, block_keys, shard_keys
+
+        worker = _worker_side()
+        if worker is None:
+            raise RuntimeError("--misses needs the connector's worker in this process")
+        keys = [k for context in contexts for k in block_keys(context, worker.namespace)]
+        token_env = self.connector.get("token_env")
+        token = os.environ.get(token_env) if token_env else None
+        with KVStoreClient(self.connector["address"], token=token) as client:
+            self.blocks += client.delete(worker.namespace, shard_keys(keys, worker.rank))
 
 
 def _close_engine() -> None:

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient, block_keys
+from kvstore.inference_adapter.bench import vllm_chat
 from kvstore.inference_adapter.bench.sharegpt import conversations, dataset_path
 from kvstore.inference_adapter.bench.vllm_chat import ChatShape, chat_turns, write_model
 from kvstore.inference_adapter.connector import StoreConnector
@@ -303,7 +304,9 @@ def wait_for(path: Path, timeout: float = 120.0) -> None:
 
 
 def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
-    """``kvstore bench vllm`` on the test model: both runs, one table, identical tokens."""
+    """``kvstore bench vllm`` on the test model: the three runs (store off, on, on with
+    misses only), two tables, identical tokens; in the miss run every request loaded nothing
+    and saved its context's blocks, deleted before the next turn."""
     raw = tmp_path / "bench.json"
     command = module_command("kvstore", "bench", "vllm", "--size", "test", python=VLLM_PYTHON)
     command += ["--sessions", "2", "--turns", "2", "--first-tokens", "256", "--turn-tokens", "64"]
@@ -312,16 +315,36 @@ def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=540, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 2  # the header and one row per turn
-    assert rows[1].endswith("| yes |") and rows[2].endswith("| yes |")
+    assert len(rows) == 2 * (1 + 2)  # per table, the header and one row per turn
+    assert all(row.endswith("| yes |") for row in rows[1:3] + rows[4:6])
+    assert rows[3].startswith("| turn | prompt tokens | TTFT p50 store off | TTFT p50 store miss")
     reports = json.loads(raw.read_text())
     second = [session[1] for session in reports["with"]["sessions"]]
     assert all(turn["cached_tokens"] >= 256 for turn in second)  # turn 2 loads turn 1
-    assert all(
-        turn["cached_tokens"] == 0 for session in reports["without"]["sessions"] for turn in session
-    )
+    for name in ("without", "misses"):
+        assert all(turn["cached_tokens"] == 0 for s in reports[name]["sessions"] for turn in s)
+    misses = reports["misses"]
+    assert [[t["tokens"] for t in s] for s in misses["sessions"]] == [
+        [t["tokens"] for t in s] for s in reports["without"]["sessions"]
+    ]
+    # every turn's blocks with KV (the answer's last token has none), saved and then deleted
+    saved = [
+        (t["prompt_tokens"] + len(t["tokens"]) - 1) // BLOCK for s in misses["sessions"] for t in s
+    ]
+    assert misses["forgotten_blocks"] == sum(saved) > 0
+    assert all(t["decode_s"] > 0 for r in reports.values() for s in r["sessions"] for t in s)
     assert "prefill tokens saved:" in done.stdout
     assert "kvstore run, prompt tokens by level: host " in done.stdout
+    summary = "a miss over store off (median of 4 requests' ratios): TTFT "
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith(summary)]
+    assert "target), decode tok/s " in line and line.endswith(" blocks, loaded 0 prompt tokens")
+
+
+def test_the_chat_driver_s_misses_need_a_connector() -> None:
+    for argv in ([], ["--connector", "{}", "--tensor-parallel-size", "2"]):
+        with pytest.raises(SystemExit) as exited:
+            vllm_chat.main(["--model", "unused", "--misses", *argv])
+        assert exited.value.code == 2
 
 
 def test_a_daemon_down_at_start_costs_hits_until_it_comes(

@@ -20,9 +20,11 @@ from kvstore.inference_adapter.bench.gpu_report import render
 
 TINY = ["--model", "test", "--prompts", "64,128", "--block-tokens", "16", "--page-tokens", "16",
         "--dtype", "float32", "--repeats", "1", "--copy-mib", "8"]  # fmt: skip
-POSITIVE = ["ttft_recompute_ms", "ttft_hit_ms", "ttft_miss_ms", "hit_vs_recompute", "load_ms",
-            "load_gbps", "load_vs_limit", "save_ms", "save_gbps", "save_vs_limit",
-            "lookup_ms"]  # fmt: skip
+POSITIVE = ["ttft_recompute_ms", "ttft_hit_ms", "ttft_miss_ms", "ttft_save_run_ms",
+            "hit_vs_recompute", "miss_vs_recompute", "load_ms", "load_gbps", "load_vs_limit",
+            "save_ms", "save_gbps", "save_vs_limit", "lookup_ms", "miss_lookup_ms",
+            "decode_tok_s_recompute", "decode_tok_s_miss",
+            "miss_tok_s_vs_recompute"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,7 @@ def test_every_row_answers_alike_and_has_positive_figures(
         assert row["same_tokens"] is True
         assert all(row[name] > 0 for name in POSITIVE), row
         assert len(row["ttft_recompute_ms_all"]) == len(row["ttft_hit_ms_all"]) == 1
+        assert len(row["ttft_miss_ms_all"]) == 1
         assert row["logit_max_diff"] < 1e-4  # the same kernels either way on the CPU
 
 
@@ -70,14 +73,49 @@ def test_the_setup_and_the_limits_are_recorded(report: tuple[int, dict[str, Any]
     setup, limits = data["setup"], data["limits"]
     assert setup["device_type"] == "cpu" and setup["model"] == "test"
     assert (setup["block_tokens"], setup["page_tokens"], setup["dtype"]) == (16, 16, "float32")
+    assert setup["decode_tokens"] == 16
     assert setup["torch"] == torch.__version__ and setup["recompute_attention"] == "paged"
     assert setup["shape"]["layers"] == 2 and setup["data_plane"] == "shm"
     assert limits["load_limit"] == limits["save_limit"] == "memcpy_gbps"
     assert limits["memcpy_gbps"] > 0 and limits["copy_bytes"] == 8 << 20
     lines = table.splitlines()
     assert lines[0].startswith("kvstore bench gpu: CPU") and "memcpy" in lines[1]
-    # the main table and the hit's phases: a line per prompt in each
-    assert sum(line.startswith(("| 64 |", "| 128 |")) for line in lines) == 4
+    # the main table, the misses and the hit's phases: a line per prompt in each
+    assert sum(line.startswith(("| 64 |", "| 128 |")) for line in lines) == 6
+    assert any(line.startswith("store miss against recompute") for line in lines)
+
+
+def test_a_miss_is_weighed_against_recompute(report: tuple[int, dict[str, Any], str]) -> None:
+    """Each row's miss figures are the ratios of its medians, and its table line says them."""
+    _, data, table = report
+    for row in data["rows"]:
+        assert row["ttft_miss_ms"] == row["ttft_miss_ms_all"][0]  # one miss: its median
+        assert row["miss_vs_recompute"] == pytest.approx(
+            row["ttft_miss_ms"] / row["ttft_recompute_ms"]
+        )
+        assert row["miss_overhead"] == pytest.approx(row["miss_vs_recompute"] - 1)
+        assert row["miss_tok_s_vs_recompute"] == pytest.approx(
+            row["decode_tok_s_miss"] / row["decode_tok_s_recompute"]
+        )
+        assert row["miss_lookup_ms"] < row["ttft_miss_ms"]  # the lookup is part of the TTFT
+        misses = table.split("store miss against recompute")[1].split("store hit's TTFT")[0]
+        (line,) = [x for x in misses.splitlines() if x.startswith(f"| {row['prompt_tokens']} |")]
+        assert f" {row['miss_overhead'] * 100:+.1f}% |" in line
+        assert f" {(row['miss_tok_s_vs_recompute'] - 1) * 100:+.1f}% |" in line
+
+
+def test_a_miss_over_the_target_is_flagged(report: tuple[int, dict[str, Any], str]) -> None:
+    _, data, _ = report
+    limits = copy_limits(torch.device("cpu"), 1 << 20, repeats=1)
+    row = data["rows"][0]
+    for overhead, verdict in ((0.01, "| yes |"), (0.05, "| NO |")):
+        changed = dict(row, miss_overhead=overhead, miss_vs_recompute=1 + overhead)
+        (line,) = [
+            line
+            for line in render(data["setup"], limits, [changed]).splitlines()
+            if f"{overhead * 100:+.1f}%" in line
+        ]
+        assert verdict in line
 
 
 def test_a_hit_s_ttft_is_split_into_the_engine_thread_s_phases(
@@ -103,7 +141,8 @@ def test_a_connector_that_refuses_the_sizes_skips_the_row(tmp_path: Path) -> Non
     status, row = run_one(tmp_path, "--page-tokens", "12")  # pages that do not tile a block
     assert status == 0
     assert "page_tokens (12)" in row["skipped"] and row["ttft_recompute_ms"] > 0
-    assert "same_tokens" not in row
+    assert row["decode_tok_s_recompute"] > 0
+    assert "same_tokens" not in row and "ttft_miss_ms" not in row
 
 
 def test_blocks_of_several_pages(tmp_path: Path) -> None:
@@ -144,6 +183,9 @@ def test_the_command_is_wired_into_kvstore(capsys: pytest.CaptureFixture[str]) -
     assert "--page-tokens" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exited:
         gpu.main([*TINY, "--prompts", "16"])  # no longer than a block: nothing to load
+    assert exited.value.code == 2
+    with pytest.raises(SystemExit) as exited:
+        gpu.main([*TINY, "--decode-tokens", "1"])  # no token after the first: no decode rate
     assert exited.value.code == 2
 
 
