@@ -189,6 +189,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, help="parent of the SSD tier's scratch directory "
                         "(default: the user cache dir)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="model weights and workloads")
+    parser.add_argument("--device", default="cpu", help="the model's and its pools' (%(default)s)")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                         help="2: also replay each workload on two nodes sharing a Redis tier, "
                         "sessions bouncing between them (default %(default)s)")  # fmt: skip
@@ -228,6 +229,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if runs is None:
         return 1
     about = _about(preset, runs.workloads, load, args.dataset)
+    about["device"] = args.device
+    about["turns with other tokens than recompute"] = str(runs.differing_turns)
     _write(args, about, runs)
     return 0
 
@@ -243,6 +246,7 @@ class _Runs:
     working_set_bytes: int = 0  # of the swept sharegpt workload
     nodes: list[NodesComparison] = field(default_factory=list)  # --nodes 2, per workload
     pools: list[PoolRun] = field(default_factory=list)  # --hbm: one workload, by pool size
+    differing_turns: int = 0  # on a device: kvstore turns whose tokens were not recompute's
 
 
 def _run_all(
@@ -253,7 +257,7 @@ def _run_all(
     scratch = args.dir or Path(platformdirs.user_cache_dir("kvstore")) / "bench"
     scratch.mkdir(parents=True, exist_ok=True)
     workloads = [builders[name](preset, args.seed) for name in args.workloads]
-    bench = ChatBench(preset, seed=args.seed, scratch=scratch)
+    bench = ChatBench(preset, seed=args.seed, scratch=scratch, device=args.device)
     runs = _Runs(workloads)
     try:
         for workload in workloads:
@@ -270,6 +274,7 @@ def _run_all(
                     runs.sweep.append(bench.kvstore_only(workload, setup, recompute))
         if args.hbm:
             _run_pools(bench, preset, runs)
+        runs.differing_turns = bench.differing_turns
     except BenchmarkError as error:
         print(f"kvstore bench chat: FAILED: {error}", file=sys.stderr)
         return None

@@ -163,8 +163,8 @@ PRESETS = {
 }
 
 
-def build_model(size: ModelSize, seed: int) -> LlamaModel:
-    return LlamaModel.from_config(size.config(), seed=seed)
+def build_model(size: ModelSize, seed: int, device: str = "cpu") -> LlamaModel:
+    return LlamaModel.from_config(size.config(), seed=seed, device=device)
 
 
 def unique_kv_bytes(workload: Workload, preset: Preset) -> int:

@@ -110,14 +110,23 @@ class NodesRun:
 
 
 class ChatBench:
-    """One model, two engines (three on several nodes); see the module docstring."""
+    """One model, two engines (three on several nodes); see the module docstring.
 
-    def __init__(self, preset: Preset, *, seed: int, scratch: Path | None = None) -> None:
+    On the CPU every kvstore turn must give recompute's tokens (``BenchmarkError``). On a
+    device, recompute prefills densely (SDPA) and a hit's tail on the paged kernel, and a
+    near tie of a random model's logits may flip a greedy token there: such turns are
+    counted in ``differing_turns`` (and said on stderr) instead.
+    """
+
+    def __init__(
+        self, preset: Preset, *, seed: int, scratch: Path | None = None, device: str = "cpu"
+    ) -> None:
         torch.set_grad_enabled(False)
         self.preset = preset
         self.scratch = scratch
         size = preset.model
-        self.model = build_model(size, seed)
+        self.model = build_model(size, seed, device)
+        self.differing_turns = 0
         self.recompute_engine = self._new_engine()
         self.store_engine = self._new_engine()
         self._second_engine: Engine | None = None  # node B's, made when a run needs it
@@ -139,7 +148,7 @@ class ChatBench:
             for i in range(len(workload.turns)):
                 for replayer in (kvstore, recompute) if i % 2 == 0 else (recompute, kvstore):
                     runs[replayer].append(replayer.run(i))
-                check_same_outputs(KVSTORE, runs[kvstore][-1:], runs[recompute][-1:])
+                self._check(KVSTORE, runs[kvstore][-1:], runs[recompute][-1:])
             store = finish()
         return (
             ModeRun(workload.name, RECOMPUTE, runs[recompute]),
@@ -165,7 +174,7 @@ class ChatBench:
         with self._store(workload, setup, engine, redis_url) as (connector, finish):
             replayer = self._replayer(workload, connector, setup.lookahead, engine)
             records = [replayer.run(i) for i in range(len(workload.turns))]
-            check_same_outputs(f"kvstore ({setup.name})", records, reference.records)
+            self._check(f"kvstore ({setup.name})", records, reference.records)
             store = finish()
         return ModeRun(workload.name, KVSTORE, records, store)
 
@@ -209,7 +218,7 @@ class ChatBench:
             for node in nodes:
                 records.append(replayers[node].run(ran[node]))
                 ran[node] += 1
-            check_same_outputs(f"kvstore on {len(engines)} nodes", records, reference.records)
+            self._check(f"kvstore on {len(engines)} nodes", records, reference.records)
             reports = [finish() for _, finish in stores]
         return NodesRun(workload.name, records, list(nodes), reports)
 
@@ -284,6 +293,19 @@ class ChatBench:
                 yield connector, finish
             finally:
                 connector.close()
+
+    def _check(
+        self, mode: str, records: Sequence[TurnRecord], reference: Sequence[TurnRecord]
+    ) -> None:
+        """:func:`check_same_outputs` on the CPU; on a device, differing turns are counted."""
+        if self.model.device.type == "cpu":
+            check_same_outputs(mode, records, reference)
+            return
+        for got, expected in zip(records, reference, strict=True):
+            if got.output != expected.output:
+                self.differing_turns += 1
+                progress(f"{mode}: other tokens than recompute's at {got.session_id} turn "
+                         f"{got.index} (on {self.model.device}: counted, not fatal)")  # fmt: skip
 
     def _warm_up(self, *engines: Engine) -> None:
         """One short request per engine (the first two when none are named), before any

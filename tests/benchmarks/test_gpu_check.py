@@ -5,8 +5,9 @@ script runs from the checkout root, where the checkout's own ``kvstore/`` folder
 the subpackages that live in other folders) would shadow the link tree for any Python that
 puts its working directory on ``sys.path``. Here a bare venv sees this venv's packages but
 not its kvstore: an editable install's import hook is a ``.pth`` file, which a folder listed
-in another ``.pth`` file does not run. ``GPU_CHECK_ALLOW_CPU=1``: the gpu tests skip, the
-layout tests and the kernel benchmark run.
+in another ``.pth`` file does not run. ``GPU_CHECK_ALLOW_CPU=1``: the gpu tests skip; the
+layout tests, the kernel benchmark, ``bench hit``, ``bench gpu`` and ``bench chat``'s HBM level
+run on toy sizes, and each leaves what the GPU run will record, in the same form.
 """
 
 from __future__ import annotations
@@ -73,6 +74,53 @@ def test_it_runs_from_the_checkout_root_on_the_link_tree(dry_run: DryRun) -> Non
     assert "decode attention" in (dry_run.out / "kernels.txt").read_text()
     bench = json.loads((dry_run.out / "bench-gpu-test.json").read_text())
     assert [row["same_tokens"] for row in bench["rows"]] == [True, True]
+    steps = (dry_run.out / "steps.txt").read_text().splitlines()[2:]
+    names = ["bench-hit", "bench-gpu-test", "gpu-tests", "kernels", "chat-hbm", "layout-cpu"]
+    assert [line.split(" | ")[0].lstrip("| ") for line in steps] == names
+    assert all(line.split(" | ")[1] == "0" for line in steps), steps
+
+
+def test_it_records_a_hits_fixed_cost_and_phases(dry_run: DryRun) -> None:
+    assert dry_run.done.returncode == 0
+    hit = json.loads((dry_run.out / "bench-hit.json").read_text())
+    assert hit["about"]["device"] == "cpu"
+    assert [(row["name"], row["tokens"], row["hits"]) for row in hit["rows"]] == [
+        ("cold", 256, 3),
+        ("warm", 256, 3),
+        ("warm, gRPC calls", 256, 3),
+    ]
+    for row in hit["rows"]:
+        assert 0 < row["p50_ms"] <= row["p90_ms"]
+        assert row["copy_ms"] > 0 and row["fixed_ms"] >= 0
+        assert {"lookup", "lease", "admit", "first_layer", "layers"} <= set(row["phases_ms"])
+    assert [c["requests"] for c in hit["concurrent"]] == [1]
+    assert "| warm 256 |" in (dry_run.out / "bench-hit.txt").read_text()
+
+
+def test_it_records_the_kernels_with_the_tuners_picks(dry_run: DryRun) -> None:
+    assert dry_run.done.returncode == 0
+    kernels = json.loads((dry_run.out / "kernels.json").read_text())
+    assert kernels["backend"] == "torch"  # no picks off CUDA: the tuners run their defaults
+    tuners = {"decode_attention", "copy_blocks", "prefill_attention launch",
+              "prefill_attention path"}  # fmt: skip
+    assert set(kernels["chosen"]) == tuners
+    assert len(kernels["rows"]) == 4
+    assert all(row["ratio"] > 0 and row["limit_seconds"] > 0 for row in kernels["rows"])
+
+
+def test_it_records_the_hbm_level_against_host_loads(dry_run: DryRun) -> None:
+    assert dry_run.done.returncode == 0
+    assert "The HBM level (sharegpt)" in (dry_run.out / "chat-hbm" / "chat.md").read_text()
+    chat = json.loads((dry_run.out / "chat-hbm" / "chat.json").read_text())
+    assert chat["about"]["device"] == "cpu"
+    assert chat["about"]["turns with other tokens than recompute"] == "0"
+    pools = chat["hbm"]
+    assert [pool["keeps"] for pool in pools] == ["none", "1 session", "all 3 sessions"]
+    assert [pool["retain_pages"] > 0 for pool in pools] == [False, True, True]
+    hbm = [pool["tier_tokens"]["hbm"] for pool in pools]
+    assert hbm[0] == 0 < hbm[1] <= hbm[2]
+    assert pools[0]["tier_tokens"]["host"] > 0
+    assert all(len(pool["ttft_ms"]) == 3 for pool in pools)  # p50, p90, p99
 
 
 def test_daemons_that_tests_start_there_run_the_link_tree(dry_run: DryRun) -> None:
