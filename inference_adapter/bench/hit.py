@@ -1,15 +1,15 @@
 """``kvstore bench hit``: what a store hit costs beyond its bytes, phase by phase.
 
     kvstore bench hit [--tokens 256,2048,8192] [--cold 20] [--hits 40] [--concurrent 1,4]
-                      [--device cpu|cuda] [--json FILE]
+                      [--block-tokens 256] [--device cpu|cuda] [--json FILE]
 
 The connector protocol alone, as our engine runs it when it admits a request, with no model:
 ``num_loadable_tokens`` -> ``start_load`` -> ``wait_for_layer_load`` for every layer ->
 ``request_finished``, through a :class:`~kvstore.inference_adapter.connector.StoreConnector`
 on a real ``kvstore serve`` (host tier), in a 1B-like geometry (16 layers, 8 KV heads of 64,
-bfloat16: 32 KiB of KV a token), 256-token blocks on 16-token pages, one torch thread. A
-writer client stores each prompt's blocks first (a prompt of ``n`` tokens is ``n`` stored
-tokens and one more, which the engine computes); the hits are a new client's.
+bfloat16: 32 KiB of KV a token), 256-token blocks (``--block-tokens``) on 16-token pages, one
+torch thread. A writer client stores each prompt's blocks first (a prompt of ``n`` tokens is
+``n`` stored tokens and one more, which the engine computes); the hits are a new client's.
 
 In the same run, the limits a hit is held against: a ``copy_`` of the hit's bytes into the
 same pool pages (from host memory laid out as stored; on CUDA, pinned), and a Health call
@@ -307,10 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hits", type=int, default=40, help="timed hits per size (%(default)s)")
     parser.add_argument("--concurrent", type=_ints, default=[1, 4],
                         help="requests admitted at once (%(default)s)")  # fmt: skip
+    parser.add_argument("--block-tokens", type=int, default=256,
+                        help="tokens per stored block, a multiple of 16 (%(default)s)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="the pool's device (%(default)s)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
-    geometry = Geometry()
+    if args.block_tokens < PAGE_TOKENS or args.block_tokens % PAGE_TOKENS:
+        parser.error(f"--block-tokens must be a multiple of {PAGE_TOKENS}: {args.block_tokens}")
+    geometry = Geometry(block_tokens=args.block_tokens)
     tokens = sorted(set(args.tokens))
     if min(tokens) < geometry.block_tokens or any(n % geometry.block_tokens for n in tokens):
         parser.error(f"--tokens must be multiples of {geometry.block_tokens}, got {tokens}")
