@@ -216,11 +216,12 @@ class LayerCopies:
         self._rows = ((self._page, heads * head_dim, head_dim, 1), (page_tokens, heads, head_dim))
         self._layer_items = layer_bytes // item
         # (first element of the run in the source, its first page, pages in the run)
-        self._runs = [
+        runs = [
             (offset // item + first * self._page, at, count)
             for offset, block_runs in zip(offsets, _runs(pages), strict=True)
             for first, at, count in block_runs
         ]
+        self._groups = _strided_groups(runs)
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, pair: torch.Tensor | None = None
@@ -241,17 +242,22 @@ class LayerCopies:
         v_apart = self._per_block * self._page  # from a block's K to its V, in elements
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        # A block's layer: [2, pages_per_block, page_tokens, kv_heads, head_dim]
-        for start, at, count in self._runs:
+        # A block's layer: [2, pages_per_block, page_tokens, kv_heads, head_dim]; a group is
+        # `runs` runs of `count` pages, `apart` elements from one to the next in the source.
+        for start, at, count, runs, apart in self._groups:
+            pages = (runs, count, *rows[1])
+            strides = (apart, *rows[0])
             if both is not None:
-                shape, strides = (2, count, *rows[1]), (v_apart, *rows[0])
-                sources.append(typed.as_strided(shape, strides, start + shift))
-                targets.append(both.narrow(1, at, count))
+                source = typed.as_strided((2, *pages), (v_apart, *strides), start + shift)
+                sources.append(source)
+                target = both.narrow(1, at, runs * count)
+                targets.append(target.view(2, runs, count, *target.shape[2:]))
                 continue
-            for part, target in enumerate((k, v)):
+            for part, half in enumerate((k, v)):
                 at_part = start + shift + part * v_apart
-                sources.append(typed.as_strided((count, *rows[1]), rows[0], at_part))
-                targets.append(target.narrow(0, at, count))
+                sources.append(typed.as_strided(pages, strides, at_part))
+                target = half.narrow(0, at, runs * count)
+                targets.append(target.view(runs, count, *target.shape[1:]))
         torch._foreach_copy_(targets, sources)
 
 
@@ -262,6 +268,27 @@ def _as_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         return None
     apart = v.storage_offset() - k.storage_offset()
     return k.as_strided((2, *k.shape), (apart, *k.stride()), k.storage_offset())
+
+
+def _strided_groups(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """Runs ``(source element, first page, count)`` gathered into ``(source element, first
+    page, count, runs, apart)``: consecutive runs of the same length whose pages follow each
+    other and whose sources lie the same distance apart are one strided copy. Blocks the
+    arena holds one after another (a put of a chain) into pages that follow each other (a
+    new request's) make one group, so small blocks cost a layer one view, not one each:
+    [(0, 4, 1), (100, 5, 1), (200, 6, 1), (250, 9, 1)] -> [(0, 4, 1, 3, 100), (250, 9, 1, 1, 0)].
+    """
+    groups: list[tuple[int, int, int, int, int]] = []
+    for start, at, count in runs:
+        if groups:
+            first, first_at, length, runs_in, apart = groups[-1]
+            follows = length == count and first_at + runs_in * count == at
+            step = start - first - (runs_in - 1) * apart  # from the group's last run
+            if follows and step > 0 and (runs_in == 1 or step == apart):
+                groups[-1] = (first, first_at, length, runs_in + 1, step)
+                continue
+        groups.append((start, at, count, 1, 0))
+    return groups
 
 
 def _runs(pages: torch.Tensor) -> list[list[tuple[int, int, int]]]:

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from kvstore.kernels.copy import save_blocks_reference
-from kvstore.kernels.transfer import gather_pages, load_layer_reference, load_layer_triton
+from kvstore.kernels.transfer import (
+    LayerCopies,
+    gather_pages,
+    load_layer_reference,
+    load_layer_triton,
+)
 
 Loader = Callable[..., None]
 IMPLEMENTATIONS: dict[str, Loader] = {"triton": load_layer_triton, "torch": load_layer_reference}
@@ -34,7 +39,9 @@ class Case:
 def case(shape: str, dtype: torch.dtype, layers: int = 2, pages: str = "scattered") -> Case:
     """Blocks at scattered offsets; their pages scattered, consecutive with one skipped page
     in the first block (``runs``: runs of pages that a skip and block ends cut), or
-    consecutive (``whole``: every block one run)."""
+    consecutive (``whole``: every block one run). ``chain`` and ``chain-runs``: ``whole``
+    and ``runs`` with the blocks one after another in the arena, as a put of a chain leaves
+    them (consecutive blocks into consecutive pages are one strided copy)."""
     heads, head_dim, page_tokens, per_block, num_blocks = SHAPES[shape]
     gen = torch.Generator().manual_seed(1)
     block_shape = (layers, 2, per_block * page_tokens, heads, head_dim)
@@ -42,6 +49,8 @@ def case(shape: str, dtype: torch.dtype, layers: int = 2, pages: str = "scattere
     block_bytes = blocks[0].numel() * blocks.element_size()
     arena = torch.zeros(block_bytes * (2 * num_blocks + 1), dtype=torch.uint8)
     slots = torch.randperm(2 * num_blocks, generator=gen)[:num_blocks]
+    if pages.startswith("chain"):
+        slots, pages = torch.arange(1, num_blocks + 1), pages.removeprefix("chain").lstrip("-") or "whole"
     offsets = slots * block_bytes + 64  # 4-byte aligned, not block aligned
     for block, offset in zip(blocks, offsets.tolist(), strict=True):
         arena[offset : offset + block_bytes] = block.reshape(-1).view(torch.uint8)
@@ -90,7 +99,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("pages", ["scattered", "runs", "whole"])
+@pytest.mark.parametrize("pages", ["scattered", "runs", "whole", "chain", "chain-runs"])
 def test_every_layer_lands_in_its_pages_and_skipped_pages_are_untouched(
     name: str, layout: str, shape: str, dtype: torch.dtype, pages: str
 ) -> None:
@@ -117,6 +126,23 @@ def test_every_layer_lands_in_its_pages_and_skipped_pages_are_untouched(
         assert torch.equal(k[~written], k_before[~written])
         assert torch.equal(v[~written], v_before[~written])
         assert pool.shape == before.shape
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_chain_into_consecutive_pages_is_one_copy_for_every_layer(shape: str) -> None:
+    c = case(shape, torch.bfloat16, layers=3, pages="chain")
+    heads, dim, page_tokens, per_block, num_blocks = SHAPES[shape]
+    pool, k, v = engine_pool(num_pages := num_blocks * per_block + 3, heads, page_tokens, dim,
+                             torch.bfloat16)  # fmt: skip
+    copies = LayerCopies(c.arena, c.offsets.tolist(), k, c.pages, c.layer_bytes)
+    assert len(copies._groups) == 1
+    pages = c.pages.flatten()
+    for layer in range(3):
+        copies.write(layer, k, v)
+        got = pool[:, pages].unflatten(1, (num_blocks, per_block)).transpose(0, 1)
+        expected = c.blocks[:, layer].unflatten(2, (per_block, page_tokens))
+        assert torch.equal(got, expected), layer
+    assert num_pages == pool.size(1)
 
 
 def test_a_bad_argument_is_named() -> None:
