@@ -53,6 +53,7 @@ import torch
 
 from kvstore.client import ROOT_KEY, Found, KVStoreClient, Namespace, block_keys
 from kvstore.inference_adapter.core.saver import SaveCounts, SaveJob, SaveQueue, ready_event
+from kvstore.inference_adapter.core.threads import torch_ops_alone
 from kvstore.inference_adapter.core.timeline import HitTimeline, now
 from kvstore.inference_adapter.core.transfer import staging_for
 from kvstore.inference_adapter.interfaces import Request
@@ -152,7 +153,9 @@ class StoreConnector:
         self._hold_s = _hold_seconds(client)
         self._saves = SaveQueue(client, namespace, save_queue_size)
         # A load holds its worker from its lookup (its lease) to its last layer.
-        self._loads = ThreadPoolExecutor(load_workers, thread_name_prefix="kvstore-load")
+        self._loads = ThreadPoolExecutor(
+            load_workers, thread_name_prefix="kvstore-load", initializer=torch_ops_alone
+        )
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
         self._counts = Counter[str]()
         self._counts_lock = threading.Lock()

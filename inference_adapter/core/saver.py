@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from kvstore.client import Namespace, WriteStatus
+from kvstore.inference_adapter.core.threads import torch_ops_alone
 
 __all__ = ["Putter", "SaveCounts", "SaveJob", "SaveQueue", "ready_event"]
 
@@ -148,6 +149,7 @@ class SaveQueue:
         return self._pending_blocks == 0 or self._pending_blocks + num_blocks <= self.capacity
 
     def _serve(self) -> None:
+        torch_ops_alone()
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._jobs))

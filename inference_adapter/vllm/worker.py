@@ -55,6 +55,7 @@ import torch
 from kvstore.client import KVStoreClient, Namespace, SharedLease, WriteStatus, shard_keys
 from kvstore.client.tensors import HostBlocks
 from kvstore.inference_adapter.core.saver import SaveJob, SaveQueue
+from kvstore.inference_adapter.core.threads import torch_ops_alone
 from kvstore.inference_adapter.core.timeline import HitTimeline, PhaseHistograms, now
 from kvstore.inference_adapter.core.transfer import LayerKV, LayerSignals, LayerWriter, staging_for
 from kvstore.inference_adapter.vllm.layout import gather
@@ -133,8 +134,12 @@ class WorkerSide:
         self.dtype = getattr(torch, namespace.model.dtype)
         self._link = link
         self._saves = SaveQueue(_LinkPutter(link), namespace, save_queue_blocks)
-        self._threads = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-load")
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-copy")
+        self._threads = ThreadPoolExecutor(
+            1, thread_name_prefix="kvstore-vllm-load", initializer=torch_ops_alone
+        )
+        self._copier = ThreadPoolExecutor(
+            1, thread_name_prefix="kvstore-vllm-copy", initializer=torch_ops_alone
+        )
         self._copies: list[Future[None]] = []
         self._load: _Load | None = None
         self._write_lock = threading.Lock()
