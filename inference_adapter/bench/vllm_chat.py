@@ -208,10 +208,11 @@ def engine(
     tensor_parallel_size: int = 1,
     dtype: str = "float32",
     prefix_caching: bool = False,
+    kv_role: str = "kv_both",
 ) -> Any:
     """vLLM's offline engine on ``model``; ``connector`` is ``kv_connector_extra_config``
-    for KVStoreConnector, or ``None`` for none. vLLM's prefix cache is off unless
-    ``prefix_caching``."""
+    for KVStoreConnector, or ``None`` for none, in ``kv_role`` (``kv_consumer``: it loads
+    and never saves). vLLM's prefix cache is off unless ``prefix_caching``."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -220,7 +221,7 @@ def engine(
         transfer = KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_connector_module_path="kvstore.inference_adapter.vllm",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=connector,
         )
@@ -320,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--misses", action="store_true",
                         help="delete each turn's saved blocks before the next turn: every "
                              "request a miss (needs --connector)")  # fmt: skip
+    parser.add_argument("--kv-role", choices=["kv_both", "kv_consumer"], default="kv_both",
+                        help="the connector's role; kv_consumer loads and never saves")  # fmt: skip
     parser.add_argument("--baseline-first", action="store_true",
                         help="play the chats without a connector first, in the same process "
                              "(the report's 'baseline')")  # fmt: skip
@@ -376,6 +379,7 @@ def _play(
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
         prefix_caching=args.prefix_caching,
+        kv_role=args.kv_role,
     )
     start_s = time.perf_counter() - started
     forget = _Forget(connector) if connector is not None and args.misses else None

@@ -304,9 +304,10 @@ def wait_for(path: Path, timeout: float = 120.0) -> None:
 
 
 def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
-    """``kvstore bench vllm`` on the test model: the three runs (store off, on, on with
-    misses only), two tables, identical tokens; in the miss run every request loaded nothing
-    and saved its context's blocks, deleted before the next turn."""
+    """``kvstore bench vllm`` on the test model: the four runs (store off, on, on with
+    misses only, saving and not), two tables, identical tokens; in the miss runs every
+    request loaded nothing, and in the saving one saved its context's blocks, deleted before
+    the next turn; the one that does not save saved none."""
     raw = tmp_path / "bench.json"
     command = module_command("kvstore", "bench", "vllm", "--size", "test", python=VLLM_PYTHON)
     command += ["--sessions", "2", "--turns", "2", "--first-tokens", "256", "--turn-tokens", "64"]
@@ -317,11 +318,11 @@ def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == 2 * (1 + 2)  # per table, the header and one row per turn
     assert all(row.endswith("| yes |") for row in rows[1:3] + rows[4:6])
-    assert rows[3].startswith("| turn | prompt tokens | TTFT p50 store off | TTFT p50 store miss")
+    assert rows[3].startswith("| turn | prompt tokens | TTFT p50 store off | TTFT p50 miss alone")
     reports = json.loads(raw.read_text())
     second = [session[1] for session in reports["with"]["sessions"]]
     assert all(turn["cached_tokens"] >= 256 for turn in second)  # turn 2 loads turn 1
-    for name in ("without", "misses"):
+    for name in ("without", "misses", "misses_alone"):
         assert all(turn["cached_tokens"] == 0 for s in reports[name]["sessions"] for turn in s)
     misses = reports["misses"]
     assert [[t["tokens"] for t in s] for s in misses["sessions"]] == [
@@ -332,12 +333,15 @@ def test_bench_vllm_prints_its_table_and_checks_tokens(tmp_path: Path) -> None:
         (t["prompt_tokens"] + len(t["tokens"]) - 1) // BLOCK for s in misses["sessions"] for t in s
     ]
     assert misses["forgotten_blocks"] == sum(saved) > 0
+    assert reports["misses_alone"]["forgotten_blocks"] == 0
+    assert reports["misses_alone"]["connector"].get("queued_saves", 0) == 0
     assert all(t["decode_s"] > 0 for r in reports.values() for s in r["sessions"] for t in s)
     assert "prefill tokens saved:" in done.stdout
     assert "kvstore run, prompt tokens by level: host " in done.stdout
     summary = "a miss over store off (median of 4 requests' ratios): TTFT "
     (line,) = [line for line in done.stdout.splitlines() if line.startswith(summary)]
-    assert "target), decode tok/s " in line and line.endswith(" blocks, loaded 0 prompt tokens")
+    assert "target), decode tok/s " in line and "; saving too: TTFT " in line
+    assert line.endswith(" blocks, loaded 0 prompt tokens")
 
 
 def test_the_chat_driver_s_misses_need_a_connector() -> None:
