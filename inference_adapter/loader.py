@@ -345,8 +345,8 @@ class LayerLoad:
         self._writable = True
         pages = self._pages[: self.num_blocks]
         with self._signals.writing():
-            write = self._source.writer(pages, self._pool, self._namespace)
-        self._signals.can_write(write)
+            write, whole = self._source.writer(pages, self._pool, self._namespace)
+        self._signals.can_write(write, whole)
 
     def _release_found(self) -> None:
         with self._lock:
@@ -383,12 +383,14 @@ class LayerLoad:
         self._signals.release_all()
 
 
-class _Source(Protocol):
-    """Blocks in hand, and how a layer of them is written into pages."""
+_Writes = tuple[Callable[[int], None], Callable[[Sequence[int]], None] | None]
 
-    def writer(
-        self, pages: torch.Tensor, pool: PoolHandles, namespace: Namespace
-    ) -> Callable[[int], None]: ...
+
+class _Source(Protocol):
+    """Blocks in hand, and how a layer of them is written into pages (and, for a load
+    written whole, all its layers at once: ``LayerSignals.can_write``)."""
+
+    def writer(self, pages: torch.Tensor, pool: PoolHandles, namespace: Namespace) -> _Writes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,9 +399,7 @@ class _Leased:
 
     groups: list[HostBlocks]
 
-    def writer(
-        self, pages: torch.Tensor, pool: PoolHandles, namespace: Namespace
-    ) -> Callable[[int], None]:
+    def writer(self, pages: torch.Tensor, pool: PoolHandles, namespace: Namespace) -> _Writes:
         n = len(pages)
         placed, at = [], 0
         for blocks in self.groups:
@@ -410,7 +410,8 @@ class _Leased:
             placed.append((part, pages[at : at + take]))
             at += take
         layer_bytes = namespace.model.layout().layer_bytes
-        return LayerWriter(placed, pool.layers, layer_bytes).write
+        writer = LayerWriter(placed, pool.layers, layer_bytes)
+        return writer.write, writer.write_many if writer.whole else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,9 +421,7 @@ class _Moved:
     staging: torch.Tensor  # [n, num_layers, 2, block_tokens, kv_heads, head_dim]
     moves: tuple[torch.Tensor, torch.Tensor]
 
-    def writer(
-        self, pages: torch.Tensor, pool: PoolHandles, namespace: Namespace
-    ) -> Callable[[int], None]:
+    def writer(self, pages: torch.Tensor, pool: PoolHandles, namespace: Namespace) -> _Writes:
         n = len(pages)
         slots = page_slots(pages, pool)
         stored_at, positions = (p[:n, :, None] for p in self.moves)  # over heads
@@ -433,4 +432,4 @@ class _Moved:
             blocks[:, 0, 0] = move_k(blocks[:, 0, 0], stored_at, positions, pool.rope)
             load_blocks(blocks, pool.kv_pool[layer : layer + 1], slots)
 
-        return write
+        return write, None

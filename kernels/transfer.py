@@ -26,6 +26,7 @@ engine's pool into blocks in the stored layout, one copy per run of consecutive 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -208,6 +209,7 @@ class LayerCopies:
         item = k.element_size()
         if any(offset % item for offset in offsets) or layer_bytes % item:
             raise ValueError(f"offsets must be multiples of the {k.dtype} item size ({item} B)")
+        self.num_blocks = len(offsets)
         self._typed = source[: source.numel() // item * item].view(k.dtype)
         self._shape, self._dtype = k.shape, k.dtype
         _, page_tokens, heads, head_dim = k.shape
@@ -232,6 +234,34 @@ class LayerCopies:
         Raises:
             ValueError: ``k`` or ``v`` is not shaped like the ``k`` the plan was made for.
         """
+        self.write_layers([(layer, k, v, pair)])
+
+    def write_layers(
+        self, layers: Sequence[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    ) -> None:
+        """:meth:`write` of each ``(layer, k, v, pair)``, all in one ``_foreach_copy_`` call
+        (a small load: one call, one release of the GIL, for all its layers).
+
+        Raises:
+            ValueError: a ``k`` or ``v`` is not shaped like the ``k`` the plan was made for.
+        """
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for layer, k, v, pair in layers:
+            self._views(layer, k, v, pair, targets, sources)
+        torch._foreach_copy_(targets, sources)
+
+    def _views(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pair: torch.Tensor | None,
+        targets: list[torch.Tensor],
+        sources: list[torch.Tensor],
+    ) -> None:
+        """Appends layer ``layer``'s copies: page views to ``targets``, arena views to
+        ``sources``."""
         if k.shape != self._shape or v.shape != self._shape or k.dtype != self._dtype:
             raise ValueError(
                 f"k and v must be {list(self._shape)} {self._dtype}, got {list(k.shape)} "
@@ -240,8 +270,6 @@ class LayerCopies:
         shift, typed, rows = layer * self._layer_items, self._typed, self._rows
         both = _as_pair(k, v) if pair is None else pair
         v_apart = self._per_block * self._page  # from a block's K to its V, in elements
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
         # A block's layer: [2, pages_per_block, page_tokens, kv_heads, head_dim]; a group is
         # `runs` runs of `count` pages, `apart` elements from one to the next in the source.
         for start, at, count, runs, apart in self._groups:
@@ -258,7 +286,6 @@ class LayerCopies:
                 sources.append(typed.as_strided(pages, strides, at_part))
                 target = half.narrow(0, at, runs * count)
                 targets.append(target.view(runs, count, *target.shape[1:]))
-        torch._foreach_copy_(targets, sources)
 
 
 def _as_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

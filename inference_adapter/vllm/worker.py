@@ -268,7 +268,7 @@ class WorkerSide:
         try:
             with load.signals.writing():
                 writer = LayerWriter(groups, self.layers, self.namespace.model.layout().layer_bytes)
-            load.signals.can_write(writer.write)
+            load.signals.can_write(writer.write, writer.write_many if writer.whole else None)
             load.signals.write_all()
         finally:
             load.signals.stop()  # the leases end on return

@@ -86,14 +86,16 @@ def test_the_hbm_level_serves_resident_history_with_recompute_tokens(tmp_path: P
 def test_the_bench_fails_loudly_when_the_store_serves_other_kv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real: Callable[..., None] = LayerCopies.write
+    real: Callable[..., None] = LayerCopies.write_layers
 
-    def noisy(copies: LayerCopies, layer: int, k: torch.Tensor, *rest: torch.Tensor) -> None:
-        real(copies, layer, k, *rest)
-        for _, at, count in copies._runs:  # the pages it wrote
-            k[at : at + count] = torch.randn_like(k[at : at + count]) * 10  # wrong KV
+    def noisy(copies: LayerCopies, layers: list[tuple[int, torch.Tensor, ...]]) -> None:
+        real(copies, layers)
+        for _, k, *_ in layers:
+            for _, at, count, runs, _ in copies._groups:  # the pages it wrote
+                pages = slice(at, at + runs * count)
+                k[pages] = torch.randn_like(k[pages]) * 10  # wrong KV
 
-    monkeypatch.setattr(LayerCopies, "write", noisy)
+    monkeypatch.setattr(LayerCopies, "write_layers", noisy)
     args = [*SMOKE, "--workloads", "sharegpt", "--no-sweep", "--no-plots"]
     assert main([*args, "--out", str(tmp_path / "out"), "--dir", str(tmp_path)]) == 1
     assert "generated other tokens than recompute" in capsys.readouterr().err

@@ -560,6 +560,7 @@ def test_layer_loads_overlap_compute(
     timeline = Timeline(layers)
     writes = timeline.slow_load(transfer.LayerWriter.write)
     monkeypatch.setattr(transfer.LayerWriter, "write", writes)
+    monkeypatch.setattr(transfer, "WHOLE_LOAD_LAYER_BYTES", 0)  # layer by layer, however small
     monkeypatch.setattr(model, "run_layer", timeline.slow_layer(model.run_layer))
 
     def cached_prefill(name: str, handshake_s: float) -> Request:
@@ -591,6 +592,41 @@ def test_layer_loads_overlap_compute(
     assert not any(timeline.overlapped.values()), timeline.overlapped  # ... is seen
     # What overlap saves is measured by the benchmarks: timed comparisons flake here.
     assert overlapped.output == sequential.output
+    connector.close()
+
+
+def test_a_small_load_is_written_whole_by_one_thread(
+    tmp_path: Path, client: KVStoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below ``WHOLE_LOAD_LAYER_BYTES`` a layer, the first thread to write (the engine's or
+    the load's) writes every layer in one call; the engine then waits for it once, and
+    answers as recompute does."""
+    layers = 4
+    model = tiny_models(tmp_path, num_hidden_layers=layers).engine
+    engine, connector = store_engine(model, client, "whole")
+    prompt = MESSAGES[0] * 3
+    engine.generate([Request("store", prompt, SamplingParams(max_tokens=1))])
+    assert connector.wait_for_saves(10.0)
+    calls: list[tuple[str, str, list[int]]] = []  # (how, thread, layers)
+    write, write_many = transfer.LayerWriter.write, transfer.LayerWriter.write_many
+
+    def one(writer: transfer.LayerWriter, layer: int) -> None:
+        calls.append(("write", threading.current_thread().name, [layer]))
+        write(writer, layer)
+
+    def many(writer: transfer.LayerWriter, chosen: Sequence[int]) -> None:
+        calls.append(("write_many", threading.current_thread().name, list(chosen)))
+        write_many(writer, chosen)
+
+    monkeypatch.setattr(transfer.LayerWriter, "write", one)
+    monkeypatch.setattr(transfer.LayerWriter, "write_many", many)
+    for name in ("whole", "whole again"):
+        calls.clear()
+        request = Request(name, [*prompt, 5], SamplingParams(max_tokens=1))
+        engine.generate([request])
+        assert request.num_loaded_tokens == 96
+        assert [(how, chosen) for how, _, chosen in calls] == [("write_many", [0, 1, 2, 3])]
+        assert request.output == recompute(model, request.prompt, request.sampling).output
     connector.close()
 
 

@@ -50,7 +50,8 @@ def case(shape: str, dtype: torch.dtype, layers: int = 2, pages: str = "scattere
     arena = torch.zeros(block_bytes * (2 * num_blocks + 1), dtype=torch.uint8)
     slots = torch.randperm(2 * num_blocks, generator=gen)[:num_blocks]
     if pages.startswith("chain"):
-        slots, pages = torch.arange(1, num_blocks + 1), pages.removeprefix("chain").lstrip("-") or "whole"
+        slots = torch.arange(1, num_blocks + 1)
+        pages = pages.removeprefix("chain").lstrip("-") or "whole"
     offsets = slots * block_bytes + 64  # 4-byte aligned, not block aligned
     for block, offset in zip(blocks, offsets.tolist(), strict=True):
         arena[offset : offset + block_bytes] = block.reshape(-1).view(torch.uint8)
