@@ -4,7 +4,8 @@ Primitives, in the order an engine uses them:
 
 1. ``connect()``: Handshake. When the daemon is on this host (``data_plane`` says ``"shm"``),
    the first data-plane call of a tenant opens an shm session: the tenant's arena mapped
-   read-only, and a staging area for puts; else KV bytes are streamed over gRPC
+   read-only for reads, and writable for puts (which write the slots reserved for them in
+   place); else KV bytes are streamed over gRPC
    (``"stream"``). ``aclose()`` or ``async with`` ends it.
 2. ``register(namespace)`` -> the digest other calls carry (cached; a daemon that forgot it,
    e.g. after a restart, is answered by re-registering and retrying once, transparently).
@@ -20,7 +21,8 @@ Stats) are retried with jittered exponential backoff on UNAVAILABLE and DEADLINE
 Acquire, Reserve, Commit and Put never are. A lease is always released, also when its call is
 cancelled or times out (the client names it before the call). With ``verify=True`` every
 block read is checked against the checksum recorded when it was stored
-(:class:`CorruptBlockError` on a mismatch) and puts send their checksums. Errors are
+(:class:`CorruptBlockError` on a mismatch) and streamed puts send their checksums (an shm
+put always does: the daemon records them without reading the bytes). Errors are
 :mod:`kvstore.client.errors` classes.
 """
 
@@ -68,10 +70,12 @@ class AsyncKVStoreClient:
         tls_root_cert: PEM root certificate(s); set for a TLS TCP listener.
         timeout: Seconds per call attempt.
         retries: Extra attempts of idempotent calls on UNAVAILABLE or DEADLINE_EXCEEDED.
-        verify: Check every block read against its stored checksum; send checksums on puts.
-        staging_bytes: The staging area to ask for per shm session (puts in flight at once).
-        pin_arena: Register each shm arena with CUDA as page-locked, read-only memory when
-            torch is imported and CUDA is usable, so copies from it to the GPU are DMA (on
+        verify: Check every block read against its stored checksum; send checksums on
+            streamed puts.
+        staging_bytes: The window to ask for per shm session: the bytes its puts may hold
+            reserved in the arena at once.
+        pin_arena: Register each shm arena's mappings with CUDA as page-locked memory when
+            torch is imported and CUDA is usable, so copies between it and the GPU are DMA (on
             failure: a warning, once, and unpinned copies). This locks the tenant's whole
             arena (``host.capacity``) in memory, and is only right when the daemon's host tier
             holds this one tenant: a byte range that passes to another tenant's arena is given
@@ -559,7 +563,7 @@ class AsyncKVStoreClient:
                     self._conn, digest, specs, blocks, verify=self.verify, stream=stream
                 )
             return await transfer.put_shm(
-                self._conn, session, digest, specs, blocks, size, verify=self.verify, stream=stream
+                self._conn, session, digest, specs, blocks, size, stream=stream
             )
 
         return await self._conn.in_namespace(namespace, put)

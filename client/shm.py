@@ -1,16 +1,17 @@
-"""The shared-memory data plane: a session with the daemon, its arena and its staging area.
+"""The shared-memory data plane: a session with the daemon and its tenant's arena.
 
 A co-located client opens a session on the daemon's session socket
 (``HandshakeResponse.shm_socket``; protocol in :mod:`kvstore.wire.session`) and receives two
-memory files:
+descriptors of its tenant's arena, which it maps twice:
 
-- its tenant's **arena**, read-only (:class:`Arena`): leased blocks are read in place, by
-  copy (:meth:`Arena.read`, :meth:`Arena.copy_out`) or zero-copy (:meth:`Arena.view`,
-  :meth:`Arena.tensor`); the mapping cannot be written, so no bug in this process can damage
-  a stored block;
-- its own **staging area**, writable (:class:`Staging`): a put copies payloads into the slots
-  ``Reserve`` names (:meth:`Staging.copy_in`); ``Commit`` has the daemon copy them into the
-  arena and check them. :class:`StagingBudget` keeps concurrent puts within its size.
+- read-only (:class:`Arena`): leased blocks are read in place, by copy (:meth:`Arena.read`,
+  :meth:`Arena.copy_out`) or zero-copy (:meth:`Arena.view`, :meth:`Arena.tensor`); that
+  mapping cannot be written, so no bug in the code reading blocks can damage one;
+- writable, for puts alone (:class:`Writer`): a put copies each payload into the arena slot
+  ``Reserve`` held for it and sums it as it lands (:meth:`Writer.write`, one pass); ``Commit``
+  sends the sums, which the daemon records as the blocks' checksums without reading the
+  bytes again. :class:`WriteBudget` keeps concurrent puts within the session's window (the
+  bytes it may hold reserved at once).
 
 :meth:`ShmSession.open` runs the exchange; the session lasts until :meth:`ShmSession.aclose`
 (or this process exits). Bytes in host memory are copied by address (``memmove``, after
@@ -23,9 +24,10 @@ cancelled caller still waits for that thread: a slot is released or aborted only
 touches it any more. :func:`verify` checks bytes against the checksum the daemon recorded
 when the block was committed.
 
-Opened with ``pin_arena`` and CUDA usable in this process, the arena's read-only mapping is
-registered with CUDA as page-locked memory (``cudaHostRegister``, read-only), so copies from
-it to the GPU are DMA; when that fails, a warning is logged once and copies run unpinned.
+Opened with ``pin_arena`` and CUDA usable in this process, both mappings are registered with
+CUDA as page-locked memory (``cudaHostRegister``; the reader's read-only), so copies between
+the arena and the GPU are DMA; when that fails, a warning is logged once and copies run
+unpinned.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ from kvstore.wire.session import (
     read_line,
 )
 from kvstore.wire.threads import (
-    COPY_LANES,
     THREAD_BYTES,
     Span,
+    copy_and_sum_spans,
     copy_spans,
     pread_exactly,
     run_to_completion,
@@ -75,10 +77,10 @@ __all__ = [
     "Buffer",
     "Payload",
     "ShmSession",
-    "Staging",
-    "StagingBudget",
     "Target",
     "TargetT",
+    "WriteBudget",
+    "Writer",
     "as_bytes",
     "buffer_bytes",
     "caller_stream",
@@ -90,7 +92,6 @@ __all__ = [
     "verify",
 ]
 
-PUT_COPY_LANES = max(1, COPY_LANES // 2)  # a put's copy leaves the other cores to the daemon
 OPEN_SECONDS = 5.0
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -230,12 +231,15 @@ class _Mapping:
         into_slots: bool,
         lanes: int | None = None,
         stream: torch.cuda.Stream | None = None,
-    ) -> None:
+        sums: bool = False,
+    ) -> list[int]:
         """Copies ``data[i]`` into slot i (``into_slots``), or slot i into ``data[i]``, in a
         worker thread when the bytes are many: ``memmove`` between host buffers by address
         (a large copy split over ``lanes`` threads at most, default ``COPY_LANES``), torch's
         ``copy_`` for a tensor on a device (asynchronous from a pinned arena; on CUDA queued
-        on ``stream``, see :func:`caller_stream`).
+        on ``stream``, see :func:`caller_stream`). With ``sums`` (into slots only), returns
+        the xxh3-64 of each slot as it landed: from host memory taken during the copy
+        (:func:`copy_and_sum_spans`), from a device once the copy is done; else ``[]``.
 
         Raises:
             ValueError: a slot outside the area, a buffer of another length than its slot,
@@ -244,9 +248,10 @@ class _Mapping:
         whole = self._open_bytes()  # held until the copy ends: the mapping stays mapped
         base, size = self._address, self.size
         spans: list[Span] = []  # (source, target, length) addresses
+        hosted: list[int] = []  # the index of each span's slot
         buffers: list[object] = []  # what the spans point into, alive until the copy ends
         on_device: list[tuple[torch.Tensor, torch.Tensor]] = []  # (src, dst)
-        for (offset, length), item in zip(slots, data, strict=True):
+        for index, ((offset, length), item) in enumerate(zip(slots, data, strict=True)):
             if offset < 0 or length < 0 or offset + length > size:
                 self.check(offset, length)  # raises, naming the slot
             host = host_span(item, writable=not into_slots)
@@ -260,21 +265,33 @@ class _Mapping:
                 raise ValueError(f"a {nbytes}-byte buffer cannot take a {length}-byte slot")
             here = base + offset
             spans.append((address, here, length) if into_slots else (here, address, length))
+            hosted.append(index)
             buffers.append(owner)
         pinned = self.pinned
 
-        def copy_all() -> None:
-            copy_spans(spans, lanes)
+        def copy_all() -> list[int]:
+            found = [0] * len(slots) if sums else []
+            if sums:
+                for index, total in zip(hosted, copy_and_sum_spans(spans, lanes), strict=True):
+                    found[index] = total
+            else:
+                copy_spans(spans, lanes)
             if on_device:
                 from kvstore.client import tensors
 
                 tensors.copy_all(on_device, pinned=pinned, stream=stream)
+                if sums:  # from the host memory the device's copies landed in
+                    for index, (offset, length) in enumerate(slots):
+                        if index not in hosted:
+                            found[index] = payload_checksum(self.array(offset, length).data)
+            return found
 
         if sum(length for _, length in slots) < THREAD_BYTES:
-            copy_all()
+            found = copy_all()
         else:
-            await self.in_thread(copy_all)
+            found = await self.in_thread(copy_all)
         del whole, buffers  # the copy has ended (also when this caller was cancelled)
+        return found
 
     @property
     def pinned(self) -> bool:
@@ -387,34 +404,28 @@ class Arena(_Mapping):
                 view.release()
 
 
-class Staging(_Mapping):
-    """This session's staging area, mapped writable; the daemon only reads it. With ``pin``,
-    registered with CUDA: a save's device-to-host copy lands in it by DMA."""
+class Writer(_Mapping):
+    """The tenant's arena mapped writable, for puts alone (reads go through :class:`Arena`,
+    whose mapping cannot be written): each block is copied into the slot ``Reserve`` held for
+    it and summed as it lands (:meth:`write`). With ``pin``, registered with CUDA: a save's
+    device-to-host copy lands in the arena by DMA."""
 
     def __init__(self, fd: int, size: int, *, pin: bool = False) -> None:
         super().__init__(fd, size, writable=True, pin=pin)
 
-    async def copy_in(
+    async def write(
         self, slots: Slots, sources: Sequence[Payload], stream: torch.cuda.Stream | None = None
-    ) -> None:
-        """Copies each source into the slot of the same index (exactly ``length`` bytes), on
-        half the copy lanes: the daemon copies the batch before from staging meanwhile. A CUDA
-        tensor is copied on ``stream`` (:func:`caller_stream`)."""
-        await self._copy(slots, sources, into_slots=True, lanes=PUT_COPY_LANES, stream=stream)
-
-    async def checksums(self, slots: Slots) -> list[int]:
-        """The xxh3-64 of each slot's bytes, as the daemon will check them at Commit."""
-
-        def sums() -> list[int]:
-            return [payload_checksum(self.view(*slot)) for slot in slots]
-
-        if sum(length for _, length in slots) < THREAD_BYTES:
-            return sums()
-        return await self.in_thread(sums)
+    ) -> list[int]:
+        """Copies each source into the slot of the same index (exactly ``length`` bytes) on
+        every copy lane, and returns the xxh3-64 of each slot as written: what ``Commit``
+        records as the block's checksum. A CUDA tensor is copied on ``stream``
+        (:func:`caller_stream`)."""
+        return await self._copy(slots, sources, into_slots=True, stream=stream, sums=True)
 
 
-class StagingBudget:
-    """Bytes of a staging area that concurrent puts may hold at once."""
+class WriteBudget:
+    """Bytes of a session's window (what it may hold reserved at once) that concurrent puts
+    hold."""
 
     def __init__(self, total: int, page: int = mmap.PAGESIZE) -> None:
         self.total = total
@@ -423,14 +434,14 @@ class StagingBudget:
         self._changed = asyncio.Condition()
 
     def slot_bytes(self, length: int) -> int:
-        """The staging bytes a block of ``length`` takes (whole pages)."""
+        """The bytes of the window a block of ``length`` takes (whole pages)."""
         return max(self._page, -(-length // self._page) * self._page)
 
     @contextlib.asynccontextmanager
     async def hold(self, nbytes: int) -> AsyncIterator[None]:
         """Waits until ``nbytes`` (at most ``total``) are free and holds them."""
         if nbytes > self.total:
-            raise ValueError(f"{nbytes} bytes cannot fit a {self.total}-byte staging area")
+            raise ValueError(f"{nbytes} bytes cannot fit a {self.total}-byte write window")
         async with self._changed:
             await self._changed.wait_for(lambda: self._free >= nbytes)
             self._free -= nbytes
@@ -443,16 +454,16 @@ class StagingBudget:
 
 
 class ShmSession:
-    """A session with the daemon: its socket, the tenant's arena and the staging area."""
+    """A session with the daemon: its socket and the tenant's arena, mapped twice."""
 
     def __init__(
-        self, sock: socket.socket, tenant: str, info: SessionInfo, arena: Arena, staging: Staging
+        self, sock: socket.socket, tenant: str, info: SessionInfo, arena: Arena, writer: Writer
     ) -> None:
         self.tenant = tenant
         self.info = info
         self.arena = arena
-        self.staging = staging
-        self.budget = StagingBudget(staging.size)
+        self.writer = writer
+        self.budget = WriteBudget(info.staging_bytes)
         self.calls: SessionCalls | None = None  # the read path's calls, when the daemon serves them
         self._socket: socket.socket | None = sock
         self._attach: tuple[str, Hello] | None = None  # where, and as whom, to attach more
@@ -525,11 +536,11 @@ class ShmSession:
             info = decode_reply(data)
             if len(fds) != 2:
                 raise SessionError("INTERNAL", f"the daemon sent {len(fds)} descriptors, not 2")
-            staging = Staging(fds[1], info.staging_bytes, pin=hello.pin)
+            writer = Writer(fds[1], info.arena_bytes, pin=hello.pin)
             arena = Arena(fds[0], info.arena_bytes, info.arena_id, pin=hello.pin)  # pins last
             fds = []
             sock.settimeout(None)
-            return cls(sock, hello.tenant, info, arena, staging)
+            return cls(sock, hello.tenant, info, arena, writer)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -537,9 +548,10 @@ class ShmSession:
             raise
 
     async def aclose(self) -> None:
-        """Ends the session: the daemon aborts what it left reserved; unmaps both areas. The
-        arena is unregistered from CUDA first: the daemon keeps its pages until the end."""
+        """Ends the session: the daemon aborts what it left reserved; unmaps both mappings,
+        unregistered from CUDA first: the daemon keeps the arena's pages until the end."""
         await self.arena.aclose()
+        await self.writer.aclose()
         calls, self.calls = self.calls, None
         if calls is not None:
             await calls.aclose()
@@ -551,7 +563,6 @@ class ShmSession:
         sock, self._socket = self._socket, None
         if sock is not None:
             sock.close()
-        await self.staging.aclose()
 
 
 def verify(blocks: Sequence[Buffer], checksums: Sequence[int], what: str) -> None:

@@ -10,16 +10,18 @@ shm (an shm session with the daemon is open):
   of its own: nothing stays held until it expires. A read that ends while the lease is sure
   to hold still (``Leased.alive_until``) does not wait for the Release: one round trip a
   read;
-- writes: ``put_shm``: Reserve -> copy the payloads into the session's staging slots ->
-  Commit (the daemon copies them into the arena and checks them); Abort when anything fails
-  before the commit or the commit itself fails (the daemon ignores the abort of keys it did
-  commit). Puts are batched so that they fit the staging area.
+- writes: ``put_shm``: Reserve (arena slots held for this session) -> copy the payloads into
+  them through the session's writable mapping, each summed as it lands -> Commit with the
+  sums (the daemon records them; it reads no byte); Abort when anything fails before the
+  commit or the commit itself fails (the daemon ignores the abort of keys it did commit).
+  Puts are batched so that they fit the session's window.
 
 stream (remote clients, or ``use_shm=False``): ``get_stream`` and ``put_stream``, the payloads
 in chunks of the handshake's ``chunk_bytes``.
 
 With ``verify``, every block read is checked against the checksum the daemon recorded when
-it was committed, and writes send their checksums for the daemon to check.
+it was committed, and streamed writes send their checksums for the daemon to check (an shm
+write always sends its own, the block's checksum from then on).
 
 Acquire, Reserve, Commit and Put are never retried; the Get stream is (it only reads).
 """
@@ -70,7 +72,7 @@ M = TypeVar("M", bound=Message)
 PIPELINE_BYTES = 32 << 20  # the most bytes of a put per Reserve/Commit round trip, about
 MIN_BATCH_BYTES = 4 << 20  # the least, unless the put is smaller
 PIPELINE_BATCHES = 4  # a put is cut into this many batches when the sizes above allow
-STAGING_SHARE = 3  # a batch takes at most 1 / STAGING_SHARE of the staging area
+WINDOW_SHARE = 3  # a batch takes at most 1 / WINDOW_SHARE of the session's window
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,28 +347,26 @@ async def put_shm(
     blocks: Sequence[Payload],
     size: int,
     *,
-    verify: bool = False,
     stream: torch.cuda.Stream | None = None,
 ) -> list[WriteStatus]:
-    """Reserve -> write -> Commit, in batches that fit the staging area; one final status
-    per block of ``size`` bytes. Blocks on CUDA are copied out on ``stream``.
+    """Reserve -> write -> Commit, in batches that fit the session's window; one final
+    status per block of ``size`` bytes. Blocks on CUDA are copied out on ``stream``.
 
-    The batches form a pipeline: while this process copies batch k into the staging area
-    (one batch at a time, in order, on half the copy lanes), the daemon copies batch k - 1
-    into the arena and reserves the batches after. A batch holds its share of the staging
-    area from its Reserve to its Commit's reply; batches take their shares in order, so no
-    batch waits for bytes a later batch of the same put holds. A put is cut into
-    ``PIPELINE_BATCHES`` batches (of ``MIN_BATCH_BYTES`` to ``PIPELINE_BYTES``), so that a
-    short one overlaps too.
+    The batches form a pipeline: while this process copies batch k into its arena slots
+    (one batch at a time, in order, on every copy lane), batch k - 1's Commit and the
+    Reserves of the batches after are in flight. A batch holds its share of the window from
+    its Reserve to its Commit's reply; batches take their shares in order, so no batch waits
+    for bytes a later batch of the same put holds. A put is cut into ``PIPELINE_BATCHES``
+    batches (of ``MIN_BATCH_BYTES`` to ``PIPELINE_BYTES``), so that a short one overlaps too.
     """
     budget = session.budget
     slot = budget.slot_bytes(size)
     wanted = slot * len(specs) // PIPELINE_BATCHES
-    most = budget.total // STAGING_SHARE
+    most = budget.total // WINDOW_SHARE
     per_batch = max(1, min(PIPELINE_BYTES, max(MIN_BATCH_BYTES, wanted), most) // slot)
     starts = range(0, len(specs), per_batch)
-    held = [asyncio.Event() for _ in starts]  # batch i holds its staging bytes, or is over
-    copied = [asyncio.Event() for _ in starts]  # batch i is in the staging area, or is over
+    held = [asyncio.Event() for _ in starts]  # batch i holds its share of the window, or is over
+    copied = [asyncio.Event() for _ in starts]  # batch i is in the arena, or is over
 
     async def batch(i: int, start: int) -> list[WriteStatus]:
         part = slice(start, start + per_batch)
@@ -376,7 +376,7 @@ async def put_shm(
             async with budget.hold(slot * len(specs[part])):
                 held[i].set()
                 return await _put_batch(
-                    conn, session, digest, specs[part], blocks[part], size, verify,
+                    conn, session, digest, specs[part], blocks[part], size,
                     after=copied[i - 1] if i else None, copied=copied[i], stream=stream,
                 )  # fmt: skip
         finally:
@@ -394,14 +394,13 @@ async def _put_batch(
     specs: list[pb.BlockSpec],
     blocks: Sequence[Payload],
     size: int,
-    verify: bool,
     *,
     after: asyncio.Event | None = None,
     copied: asyncio.Event | None = None,
     stream: torch.cuda.Stream | None = None,
 ) -> list[WriteStatus]:
     """One batch: Reserve; once ``after`` is set (the batch before is copied), the copy into
-    the staging area, then ``copied`` is set; Commit."""
+    its arena slots, then ``copied`` is set; Commit with the sums taken as it landed."""
     request = pb.ReserveRequest(namespace=digest, blocks=specs, session=session.session_id)
 
     async def undo(reply: pb.ReserveResponse) -> None:
@@ -415,7 +414,7 @@ async def _put_batch(
     reply = await _session_call(
         "Reserve", conn.unary_undone_on_cancel("Reserve", request, pb.ReserveResponse, undo)
     )
-    reserved, slots, statuses = wire.reservations(reply, len(specs), size, session.staging)
+    reserved, slots, statuses = wire.reservations(reply, len(specs), size, session.writer)
     if reserved:
         keys = [specs[index].key for index in reserved]
         try:
@@ -424,11 +423,10 @@ async def _put_batch(
                 await after.wait()
             try:
                 sources = [blocks[index] for index in reserved]
-                await session.staging.copy_in(slots, sources, stream)
+                sums = await session.writer.write(slots, sources, stream)
             finally:
                 if copied is not None:
                     copied.set()
-            sums = await session.staging.checksums(slots) if verify else []
         except BaseException:
             await _abort(conn, session, digest, keys)
             raise

@@ -26,7 +26,7 @@ Per request, in the engine's order (see :mod:`kvstore.inference_adapter.interfac
    under the request's ``salt`` from its first approximate block on (on CUDA: one kernel
    into device memory, queued on the engine's stream), and offered to the bounded
    :class:`~kvstore.inference_adapter.core.saver.SaveQueue`, whose thread copies them straight
-   into the daemon's staging slots; when the queue is full (or the device has no memory
+   into the arena slots the daemon reserved; when the queue is full (or the device has no memory
    for the gather) the blocks are dropped and counted in ``dropped_saves``.
 5. ``request_finished``: cancels a load still running and forgets the request.
 

@@ -152,7 +152,9 @@ class ServerConfig:
     tls_cert: str = ""  # PEM files; both set = TLS on TCP listeners
     tls_key: str = ""
     # Limits checked before any work: the largest block a namespace may have (at
-    # RegisterNamespace), the staging area of one shm session, how many sessions may be open,
+    # RegisterNamespace), the bytes one shm session may hold reserved in the arena at once
+    # (its window; the name is from when puts went through a staging area), how many
+    # sessions may be open,
     # and the bytes of streamed blocks assembled in memory at once (no room in the arena).
     max_block_bytes: int = size(default=2**30)
     max_staging_bytes: int = size(default=2**30)

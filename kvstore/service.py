@@ -7,8 +7,9 @@
   namespace's blocks in that tenant's host arena;
 - ``lookup`` -> how many leading blocks are held; ``acquire`` -> lease + arena slots,
   ``release(lease_id)``; leases are the caller's tenant's, under an id the client may choose;
-- ``reserve`` -> slots in the caller's shm session's staging area, then ``commit`` (the
-  daemon copies and checks them) or ``abort``; only that session can finish them;
+- ``reserve`` -> arena slots held for the caller's shm session, which writes them in place,
+  then ``commit`` (the writer's checksums recorded, no byte read) or ``abort``; only that
+  session can finish them;
 - ``get`` -> the leading held blocks; ``put`` -> one block from the streamed data plane;
   with a host tier, ``held`` and ``land`` let the streams read and write blocks in the arena;
 - ``prefetch`` -> hints run as named background tasks; ``delete``; ``stats``;
@@ -58,8 +59,6 @@ from kvstore.index import BlockMeta
 from kvstore.results import Acquired, Block, Reserved
 from kvstore.sessions import Session, SessionServer
 from kvstore.store import BlockStore, Commit, HeldBlock, Landing
-from kvstore.tasks import finish_anyway
-from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.wire.blocks import KEY_BYTES, BlockLayout, BlockSpec, Spec
 from kvstore.wire.namespace import ModelFingerprint, Namespace
@@ -382,11 +381,12 @@ class KVStoreService:
         tenant: str | None = None,
         session: bytes = b"",
     ) -> Reservations:
-        """Reserves each block: arena space, and a slot of ``session``'s staging area that the
-        client writes the payload into before :meth:`commit`.
+        """Reserves each block: an arena slot that the client writes the payload into, in
+        place, before :meth:`commit`; the slot is held for ``session`` until then.
 
         Every block is checked before any is reserved, so a bad request reserves nothing. A
-        block the staging area has no room for now is NO_SPACE (write it later).
+        block beyond the session's window (the bytes it may hold reserved at once) is
+        NO_SPACE (write it later).
 
         Raises:
             UnknownSessionError: ``session`` is not one of the caller's open sessions.
@@ -403,9 +403,8 @@ class KVStoreService:
         writer = self._session(session, tenant)
         ttl = self._server.lease_ttl
         meta = BlockMeta(namespace, tokens, layout)  # every block's: only full blocks are taken
-        store, size = self._store, layout.payload_bytes
+        writes, size = self._store.writes, layout.payload_bytes
         items: list[Reserved] = []
-        reaped = False
         budget = LoopBudget()  # 512 blocks are ~10 ms of work: others' calls run between
         for spec in blocks:
             key = spec.key  # a wire message makes a new bytes object at each read
@@ -413,58 +412,28 @@ class KVStoreService:
             if block in writer.slots:  # named twice: this session writes it
                 items.append(Reserved(PutStatus.DEDUP))
                 continue
-            staging = writer.take(block, size)
-            if staging is None and not reaped:  # once per call: the reap walks every slot
-                self._reap(writer)
-                reaped = True
-                staging = writer.take(block, size)
-            if staging is None:  # the staging area is full: the rest waits for a later put
+            if not writer.claim(block, size):  # the window is full: the rest waits
                 items += [Reserved(PutStatus.NO_SPACE)] * (len(blocks) - len(items))
                 break
-            # No await when the arena has room: no reap can run meanwhile.
             try:
-                reserved = store.reserve_now(key, spec.parent, meta, ttl, owner=writer.id)
+                # No await when the arena has room; else it makes room first.
+                reserved = writes.reserve_now(key, spec.parent, meta, ttl, writer.id)
+                if reserved is None:
+                    reserved = await writes.reserve(key, spec.parent, meta, ttl, writer.id)
             except BaseException:
                 writer.give(block)
                 raise
-            if reserved is None:  # it must make room first
-                items.append(await self._reserve_one(spec, meta, writer, staging, ttl))
-            elif reserved.status is PutStatus.RESERVED:
-                items.append(Reserved(PutStatus.RESERVED, staging))
-            else:
+            if reserved.slot is None:  # DEDUP or NO_SPACE
                 writer.give(block)
-                items.append(reserved)
-            await budget.tick()  # what this call reserved is the store's: no reap frees it
+            elif writer.claims(block):
+                writes.hold(reserved.slot)
+                writer.slots[block] = reserved.slot
+            else:  # its claim ended while it made room (an Abort, the session's end)
+                await writes.abort(key, namespace, writer.id)
+                reserved = Reserved(PutStatus.NO_SPACE)
+            items.append(reserved)
+            await budget.tick()
         return Reservations(tuple(items), ttl)
-
-    async def _reserve_one(
-        self, spec: Spec, meta: BlockMeta, writer: Session, staging: Slot, ttl: float
-    ) -> Reserved:
-        block = spec.key + meta.namespace
-        writer.reserving.add(block)  # its staging slot is taken: no reap may free it
-        try:
-            reserved = await self._store.reserve(
-                spec.key, spec.parent, meta, ttl=ttl, owner=writer.id
-            )
-        except BaseException:
-            writer.give(block)
-            raise
-        finally:
-            writer.reserving.discard(block)
-        if reserved.status is not PutStatus.RESERVED:
-            writer.give(block)
-            return reserved
-        return Reserved(PutStatus.RESERVED, staging)
-
-    def _reap(self, writer: Session) -> None:
-        """Frees staging slots whose reservations expired (their writer never committed)."""
-        for block in list(writer.slots):
-            key, space = block[:KEY_BYTES], block[KEY_BYTES:]
-            if (
-                block not in writer.reserving
-                and self._store.reserved(key, space, writer.id) is None
-            ):
-                writer.give(block)
 
     async def commit(
         self,
@@ -475,9 +444,10 @@ class KVStoreService:
         session: bytes = b"",
         checksums: Sequence[int] = (),
     ) -> list[PutStatus]:
-        """Copies each reserved block from ``session``'s staging area into the arena and makes
-        it visible: STORED; EXPIRED without a live reservation of this session; or
-        CHECKSUM_MISMATCH when ``checksums`` (optional, one per key) disagree with the bytes.
+        """Makes each block ``session`` wrote in its reserved slot visible: STORED; EXPIRED
+        without a live reservation of this session. ``checksums`` (one per key) are the
+        writer's sums of what it wrote, recorded as the blocks' without reading them again;
+        without them the daemon sums each slot in place.
 
         Raises:
             InvalidRequestError: ``checksums`` is neither empty nor one per key.
@@ -492,30 +462,17 @@ class KVStoreService:
             )
         writer = self._session(session, tenant)
         sums = list(checksums) or [0] * len(keys)
-        # The staging views must outlive the daemon's copies: a cancelled call lets it end.
-        return await finish_anyway(self._commit(namespace, keys, writer, sums), self._cleanups)
-
-    async def _commit(
-        self, namespace: bytes, keys: Sequence[bytes], writer: Session, sums: Sequence[int]
-    ) -> list[PutStatus]:
-        staged = [writer.slots.get(key + namespace) for key in keys]
-        live = [(key, slot, total) for key, slot, total in zip(keys, staged, sums, strict=True)
-                if slot is not None]  # fmt: skip
-        views = writer.views([slot for _, slot, _ in live])
-        budget = LoopBudget()  # every per-block pass yields: 512 Commit objects are ~1 ms
+        held = {key for key in keys if writer.slots.get(key + namespace) is not None}
+        writes = [
+            Commit(key, namespace, writer.id, checksum=total, written=True)
+            for key, total in zip(keys, sums, strict=True)
+            if key in held
+        ]
         try:
-            writes: list[Commit] = []
-            for (key, _, total), view in zip(live, views, strict=True):
-                writes.append(Commit(key, namespace, writer.id, view, total))
-                await budget.tick()
             found = iter(await self._store.commit_many(writes))
-        finally:  # shielded (finish_anyway): the copies have ended, the yields are safe
-            for view in views:
-                view.release()
-            for key in keys:
-                writer.give(key + namespace)
-                await budget.tick()
-        return [PutStatus.EXPIRED if slot is None else next(found) for slot in staged]
+        finally:
+            self._let_go(writer, namespace, list(held))
+        return [next(found) if key in held else PutStatus.EXPIRED for key in keys]
 
     async def abort(
         self,
@@ -532,17 +489,26 @@ class KVStoreService:
         budget = LoopBudget()
         for key in keys:
             await self._store.abort(key, namespace, owner=writer.id)
-            writer.give(key + namespace)
+            self._let_go(writer, namespace, [key])
             await budget.tick()
 
     async def close_session(self, session: Session) -> None:
-        """Aborts what a closed session left reserved (its client went away)."""
+        """Aborts what a closed session left reserved (its client went away) and lets go of
+        the slots it held."""
         budget = LoopBudget()
         for block in list(session.slots):
             key, space = block[:KEY_BYTES], block[KEY_BYTES:]
             await self._store.abort(key, space, owner=session.id, abandoned=True)
-            session.give(block)
+            self._let_go(session, space, [key])
             await budget.tick()
+
+    def _let_go(self, writer: Session, namespace: bytes, keys: Sequence[bytes]) -> None:
+        """Ends ``writer``'s claims on ``keys``: their slots' ranges may pass to other blocks
+        once their reservations ended too."""
+        for key in keys:
+            slot = writer.give(key + namespace)
+            if slot is not None:
+                self._store.writes.let_go(slot)
 
     def _session(self, session: bytes, tenant: str | None) -> Session:
         if self.sessions is None:

@@ -1,19 +1,22 @@
-"""Shared-memory sessions: each co-located client's view of its tenant's arena and its own
-staging area, handed over a unix socket (protocol: :mod:`kvstore.wire.session`).
+"""Shared-memory sessions: each co-located client's access to its tenant's arena, handed
+over a unix socket (protocol: :mod:`kvstore.wire.session`).
 
 What a session gives a client, and nothing more:
 
-- its tenant's host arena, as a *read-only* descriptor: it reads leased slots in place, but
-  cannot write, resize or reopen the arena writable (see :mod:`kvstore.tiers.host`); it never
-  receives another tenant's arena;
-- a *staging area* of its own (a sealed memfd, writable by that client only): a put writes
-  its payloads there, at the slots ``Reserve`` names, and ``Commit`` has the daemon copy them
-  into the arena and check their checksums. A writer can therefore only ever write its own
-  staging slots; a block becomes visible only as the daemon copied and checked it.
+- its tenant's host arena, as two descriptors (see :mod:`kvstore.tiers.host`): a read-only
+  one, to read leased slots in place, and a read-write one, to write the slots ``Reserve``
+  names in place; neither can resize the file or reopen it otherwise, and a client never
+  receives another tenant's arena, so it can write no other tenant's bytes;
+- a *window*: the most bytes it may hold reserved at once (``server.max_staging_bytes``, or
+  less if it asked for less). A slot it reserved is held for it (its range passes to no
+  other block) until it commits or aborts it or the session ends, even when the reservation
+  expired meanwhile: a late write of a slow writer lands in bytes no one else uses. A block
+  turns visible only at its Commit, with the checksum its writer took as it wrote it.
 
 ``SessionServer`` owns the socket and the sessions: ``start()`` binds it (mode
 ``socket_mode``) and accepts; each connection authenticates once with a bearer token (or,
-without tokens, names its tenant), gets its two descriptors, and stays open as the session.
+without tokens, names its tenant), gets the arena's two descriptors, and stays open as
+the session.
 Given ``calls``, it also answers the read path's control calls on the session's connection
 (:data:`~kvstore.wire.session.CALLS`, framed gRPC messages; the protocol is in
 :mod:`kvstore.wire.session`): each one runs in a task of its own, as the caller the hello's
@@ -21,21 +24,19 @@ token names, at most ``MAX_CALLS_IN_FLIGHT`` at once per session (then the conne
 read until one ends).
 ``get(session_id, tenant)`` finds a caller's session (a session of another tenant is "not
 found"); when a connection closes, ``on_close(session)`` lets the service abort what the
-session left reserved, and the staging area is unmapped once no copy reads it.
+session left reserved and let go of the slots it held.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import mmap
-import os
 import secrets
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvstore.errors import (
@@ -48,7 +49,7 @@ from kvstore.errors import (
 )
 from kvstore.sockets import prepare_socket_path, set_access
 from kvstore.store import BlockStore
-from kvstore.tiers.allocator import ArenaAllocator, Slot
+from kvstore.tiers.allocator import Slot
 from kvstore.wire.session import (
     CALLS,
     FRAME,
@@ -71,7 +72,6 @@ MAX_CALLS_IN_FLIGHT = 64  # per session
 # (method, request body, the hello's token) -> (status: 0 or a gRPC code's number, reply body)
 CallHandler = Callable[[str, bytes, str], Awaitable[tuple[int, bytes]]]
 PAGE = mmap.PAGESIZE
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _CODES: dict[type[StoreError], str] = {
     UnauthenticatedError: "UNAUTHENTICATED",
     PermissionDeniedError: "PERMISSION_DENIED",
@@ -81,68 +81,44 @@ _CODES: dict[type[StoreError], str] = {
 
 
 class Session:
-    """One client's staging area and the reservations it has in flight."""
+    """One client's session: the arena slots it is writing in place, within its window."""
 
-    def __init__(self, tenant: str, staging_bytes: int, peer: str, token: str = "") -> None:
+    def __init__(self, tenant: str, window_bytes: int, peer: str, token: str = "") -> None:
         self.id = secrets.token_bytes(16)
         self.tenant = tenant
         self.token = token  # the hello's: the session's calls run as its caller
         self.peer = peer
-        self.staging_bytes = staging_bytes
-        self._fd = os.memfd_create("kvstore-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self._fd, staging_bytes)
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map: mmap.mmap | None = mmap.mmap(
-                self._fd, staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ
-            )
-        except BaseException:
-            os.close(self._fd)
-            raise
-        self._allocator = ArenaAllocator(staging_bytes, page_bytes=PAGE)
-        self.slots: dict[bytes, Slot] = {}  # block id -> its staging slot, while reserved
-        self.reserving: set[bytes] = set()  # block ids whose Reserve is still under way
+        self.window_bytes = window_bytes  # the most bytes it may hold reserved at once
+        # block id -> the arena slot it writes (held until committed or aborted; None while
+        # its Reserve makes room)
+        self.slots: dict[bytes, Slot | None] = {}
+        self.held_bytes = 0
+        self._sizes: dict[bytes, int] = {}
         self.keeps_pages = False  # the client registered the arena with CUDA (hello's pin)
         self.closed = False
 
-    def take_fd(self) -> int:
-        """The staging area's writable descriptor, for the client (the session forgets it)."""
-        fd, self._fd = self._fd, -1
-        return fd
+    def claim(self, block: bytes, size: int) -> bool:
+        """Takes ``size`` bytes of the window for ``block``; False when it is full (or the
+        session writes ``block`` already)."""
+        if block in self.slots or self.held_bytes + size > self.window_bytes:
+            return False
+        self.slots[block] = None
+        self._sizes[block] = size
+        self.held_bytes += size
+        return True
 
-    def take(self, block: bytes, size: int) -> Slot | None:
-        """A staging slot for ``block``, or None when the staging area is full."""
-        if block in self.slots or size > self._allocator.capacity_bytes:
-            return None
-        slot = self._allocator.allocate(size)
-        if slot is not None:
-            self.slots[block] = slot
+    def claims(self, block: bytes) -> bool:
+        """Whether ``block`` is claimed and has no slot yet (its Reserve is under way)."""
+        return block in self.slots and self.slots[block] is None
+
+    def give(self, block: bytes) -> Slot | None:
+        """Ends ``block``'s claim; its slot, for the caller to let go of (None: it had none)."""
+        slot = self.slots.pop(block, None)
+        self.held_bytes -= self._sizes.pop(block, 0)
         return slot
 
-    def give(self, block: bytes) -> None:
-        """Frees the staging slot of ``block`` (reservation committed, aborted or expired)."""
-        slot = self.slots.pop(block, None)
-        if slot is not None:
-            self._allocator.free(slot)
-
-    def views(self, slots: Sequence[Slot]) -> list[memoryview]:
-        """Views of staging slots (the client writes them; the daemon copies them); release
-        every one of them."""
-        if self._map is None:
-            raise UnknownSessionError("the shm session is closed")
-        with memoryview(self._map) as whole:
-            return [whole[slot.offset : slot.end] for slot in slots]
-
     def close(self) -> None:
-        """Unmaps the staging area (a copy still reading it keeps it until it is done)."""
         self.closed = True
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a commit still copies: freed with its view
-                self._map.close()
-            self._map = None
 
 
 class SessionServer:
@@ -155,9 +131,9 @@ class SessionServer:
         store: The block store (its host tier's arenas).
         tenant_of: The tenant of a bearer token (``None``: tokens are off); raises
             ``UnauthenticatedError`` for a bad token.
-        on_close: Called when a session ends, before its staging area is unmapped.
+        on_close: Called when a session ends.
         instance_id: Names this daemon process (as the Handshake does).
-        max_staging_bytes: The most staging one session may have.
+        max_staging_bytes: The most bytes one session may hold reserved at once.
         max_sessions: The most sessions open at once.
         calls: Answers a session's calls (None: the socket serves none).
     """
@@ -385,7 +361,7 @@ class SessionServer:
         if not self._store.has_arena:
             raise SessionError("FAILED_PRECONDITION", "the daemon has no host tier")
         wanted = min(hello.staging_bytes or self._max_staging, self._max_staging)
-        session = Session(tenant, max(PAGE, -(-wanted // PAGE) * PAGE), peer, hello.token)
+        session = Session(tenant, max(PAGE, wanted), peer, hello.token)
         self._sessions[session.id] = session
         if hello.pin:  # before the arena is sent: no page of it is given back from now on
             session.keeps_pages = True
@@ -401,7 +377,7 @@ class SessionServer:
             session.id,
             arena.arena_id,
             arena.size,
-            session.staging_bytes,
+            session.window_bytes,
             calls=self._calls is not None,
         )
 
@@ -410,13 +386,8 @@ class SessionServer:
     ) -> None:
         arena = self._store.arena(session.tenant)
         assert arena is not None
-        staging_fd = session.take_fd()  # the client's now: this process keeps only its mapping
-        try:
-            await _send_with_fds(
-                loop, conn, encode_welcome(self._info(session)), [arena.fd, staging_fd]
-            )
-        finally:
-            os.close(staging_fd)
+        welcome = encode_welcome(self._info(session))
+        await _send_with_fds(loop, conn, welcome, [arena.fd, arena.writer_fd])
 
     async def _end(self, session: Session) -> None:
         self._sessions.pop(session.id, None)

@@ -5,17 +5,21 @@ One primitive pair, whoever writes:
 1. ``reserve(key, parent, meta, ttl, owner)`` -> :class:`Reserved`: DEDUP when the namespace
    holds the key already (identical prefixes are stored once); else an invisible, pending node
    and an arena slot for its bytes (RESERVED), or NO_SPACE when the arena cannot make room;
-2. ``commit([Commit(key, namespace, owner, source, checksum), ...])``: each block's ``source``
-   copied into its slot and summed in one pass, checked against the writer's checksum, written
-   through to the lower tiers that take a copy at put, then visible: STORED; or
-   CHECKSUM_MISMATCH (dropped); or EXPIRED (the owner holds no live reservation of the key).
+2. ``commit([Commit(key, namespace, owner, source, checksum, written), ...])``: each block's
+   ``source`` copied into its slot and summed in one pass (or, with no source, the slot summed
+   in place), checked against the writer's checksum; or, ``written`` by its owner in place,
+   the writer's checksum recorded as the block's without a pass over the bytes (checked
+   wherever the bytes leave the arena). Then written through to the lower tiers that take a
+   copy at put, then visible: STORED; or CHECKSUM_MISMATCH (dropped); or EXPIRED (the owner
+   holds no live reservation of the key).
    ``abort`` frees a reservation; ``expire`` frees those whose writer never committed.
 
 Only a reservation's owner can commit or abort it, and a half-written block is never readable.
 The three ways in are this pair with different owners and sources:
 
-- an shm session (the client's put): the client reserves, writes its staging slot, commits
-  with the staging slot as ``source`` (:meth:`kvstore.service.KVStoreService.commit`);
+- an shm session (the client's put): the client reserves, writes the arena slots reserved
+  for it in place (summing each block as it copies it), commits with those sums, ``written``
+  (:meth:`kvstore.service.KVStoreService.commit`);
 - the Put stream with a host tier: :meth:`WritePath.land` reserves under the stream's own
   owner, the chunks are copied into the slot as they arrive, the commit has no ``source``;
 - a whole block in hand (the Put stream without a host tier, or without room in the arena):
@@ -26,6 +30,7 @@ The three ways in are this pair with different owners and sources:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -34,7 +39,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from kvstore.budget import LoopBudget
 from kvstore.index import BlockMeta, Node, block_id
@@ -42,10 +46,10 @@ from kvstore.leases import LeaseTable
 from kvstore.results import Reserved
 from kvstore.tiering import Placement
 from kvstore.tiers.allocator import Slot
-from kvstore.tiers.base import Buffer
+from kvstore.tiers.base import Buffer, TierClosedError
 from kvstore.wire.blocks import payload_checksum
 from kvstore.wire.results import PutStatus
-from kvstore.wire.threads import THREAD_BYTES, offload
+from kvstore.wire.threads import THREAD_BYTES, copy_and_sum_at, offload
 
 __all__ = ["Commit", "Landing", "WritePath", "copy_and_sum"]
 
@@ -61,8 +65,11 @@ class Commit:
     key: bytes
     namespace: bytes
     owner: object = None
-    source: Buffer | None = None  # copied into the reserved slot first (a staging slot)
+    source: Buffer | None = None  # copied into the reserved slot first (a whole block)
     checksum: int = 0  # the payload's xxh3-64 as the writer computed it; 0: not checked
+    # The owner wrote the slot in place and ``checksum`` is the sum of what it wrote: taken as
+    # the block's, the bytes not read (a zero checksum: summed in place all the same).
+    written: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +235,19 @@ class WritePath:
         entry = self._reservations.get(block_id(key, namespace))
         return entry.slot if entry is not None and entry.owner == owner else None
 
+    def hold(self, slot: Slot) -> None:
+        """Keeps a reserved slot's range for a client that writes it in place, until
+        :meth:`let_go`: its reservation may end first (committed, aborted or expired), and its
+        range then passes to no other block while the client may still be writing it."""
+        assert self._host is not None  # a slot is only ever given out by the host tier
+        self._host.hold(slot)
+
+    def let_go(self, slot: Slot) -> None:
+        """Ends a :meth:`hold` (a closed tier has nothing left to free)."""
+        if self._host is not None:
+            with contextlib.suppress(TierClosedError):
+                self._host.unpin(slot)
+
     def view(self, slot: Slot) -> memoryview:
         """A writable view of a reserved slot (the daemon fills it)."""
         assert self._host is not None  # a slot is only ever given out by the host tier
@@ -259,7 +279,10 @@ class WritePath:
             await budget.tick()
         live = [(e, w) for e, w in zip(entries, writes, strict=True) if e is not None]
         try:
-            sums = await self._sum([(entry.slot, write.source) for entry, write in live])
+            sums = await self._sum(
+                [(entry.slot, write.source) for entry, write in live if not _taken(write)]
+            )
+            sums = _with_taken([write for _, write in live], sums)
         except BaseException:
             for entry, _ in live:
                 self._drop(entry)
@@ -415,7 +438,18 @@ class WritePath:
 # it holds it nearly all the time and the loop waits up to the switch interval for it at
 # every turn: 512 blocks of 4 KiB in a thread stalled the loop 1-3 ms at a time.
 THREAD_BLOCK_BYTES = 64 << 10
-SUM_CHUNK_BYTES = 256 << 10  # copied, then summed while still in cache
+
+
+def _taken(write: Commit) -> bool:
+    """Whether a write's checksum is the block's as it stands (written in place, summed by its
+    writer): no pass over its bytes."""
+    return write.written and write.checksum != 0 and write.source is None
+
+
+def _with_taken(writes: Sequence[Commit], sums: Sequence[int]) -> list[int]:
+    """Every write's checksum: the writer's where it is taken, else the next of ``sums``."""
+    found = iter(sums)
+    return [write.checksum if _taken(write) else next(found) for write in writes]
 
 
 def _size(slot: Slot | None, source: Buffer | None) -> int:
@@ -443,9 +477,6 @@ def copy_and_sum(target: memoryview, source: Buffer) -> int:
     cache-sized piece at a time (1.5x faster than a copy, then a sum), without the GIL."""
     dst = np.frombuffer(target, dtype=np.uint8)
     src = np.frombuffer(source, dtype=np.uint8)
-    digest = xxhash.xxh3_64()
-    for start in range(0, dst.size, SUM_CHUNK_BYTES):
-        piece = dst[start : start + SUM_CHUNK_BYTES]
-        np.copyto(piece, src[start : start + SUM_CHUNK_BYTES])
-        digest.update(piece.data)
-    return digest.intdigest()
+    if dst.size != src.size or not dst.flags.writeable:
+        raise ValueError(f"cannot copy {src.size} bytes into a {dst.size}-byte target")
+    return copy_and_sum_at(src.ctypes.data, dst.ctypes.data, dst.size)

@@ -3,11 +3,13 @@
 A *partition* is an opaque name a key belongs to (``partition_of(key)``; the daemon uses the
 tenant, so tenants never share memory). Each partition has its own arena: an anonymous
 memory file (memfd: no path under ``/dev/shm``, gone when the process dies) of
-``capacity_bytes``, mapped read-write by this process only. Co-located clients get a
-read-only descriptor of their partition's arena (:meth:`HostTier.arena`), sent over a unix
-socket by the daemon: they can read it in place but not write or resize it (the file is
-sealed against resizing and its mode is 0400, so a process of another user cannot reopen it
-for writing either).
+``capacity_bytes``, mapped read-write by this process. Co-located clients get two
+descriptors of their partition's arena (:meth:`HostTier.arena`), sent over a unix socket by
+the daemon: a read-only one, which they read leased slots through, and a read-write one,
+which their puts fill reserved slots through, in place. Neither can resize the file (it is
+sealed against it), and its mode is 0400, so a process of another user holding either cannot
+reopen it through ``/proc``. A partition's file only ever holds that partition's bytes: a
+client can write no other partition's blocks, whatever it writes in its own file.
 
 One :class:`~kvstore.tiers.allocator.ArenaAllocator` places the blobs of every partition in
 one range ``[0, capacity)``: a byte range belongs to at most one partition at a time, and
@@ -27,7 +29,10 @@ Primitives, beyond the :class:`~kvstore.tiers.base.Tier` contract (``put``, ``ge
    its bytes outside this tier (a lease, a view) keep them from being freed or reused: a
    deleted or replaced blob's slot is freed only at its last unpin.
 5. ``get_into(key, out)`` -> the blob's length, copied into a buffer the caller owns.
-6. ``arena(partition)`` -> :class:`ArenaHandle` (id, size, read-only descriptor).
+6. ``arena(partition)`` -> :class:`ArenaHandle` (id, size, read-only and read-write
+   descriptors). ``hold(slot)`` keeps a reserved slot's range from being freed while a
+   client may still write it (undone by ``unpin``): a reservation that expires or is aborted
+   meanwhile gives its range back only then.
 7. ``keep_pages(partition)`` / ``release_pages(partition)`` around the life of a client
    mapping that CUDA registered: while any keep lasts, no range of that partition's arena is
    given back (``MADV_REMOVE``) when it passes to another partition. A registration holds the
@@ -136,12 +141,15 @@ class ArenaHandle:
         arena_id: 16 random bytes naming this arena (a restarted daemon has new ones).
         size: Bytes of the arena file.
         fd: A read-only descriptor of the file, owned by the tier (send or dup it).
+        writer_fd: A read-write descriptor of the same file, owned by the tier: for the
+            partition's own writers, which fill the slots reserved for them in place.
     """
 
     partition: str
     arena_id: bytes
     size: int
     fd: int
+    writer_fd: int = -1
 
 
 class _Arena:
@@ -167,7 +175,7 @@ class _Arena:
         self.bytes: Bytes = np.frombuffer(self.map, dtype=np.uint8)
 
     def handle(self) -> ArenaHandle:
-        return ArenaHandle(self.partition, self.arena_id, len(self.map), self.reader_fd)
+        return ArenaHandle(self.partition, self.arena_id, len(self.map), self.reader_fd, self.fd)
 
     def populate(self, start: int, length: int, page_bytes: int) -> None:
         """Faults in (allocates, writable) the pages of ``[start, start + length)``; blocks
@@ -599,6 +607,15 @@ class HostTier:
         if slot.offset not in self._pins:
             raise InvalidSlotError(f"{self.name}: slot at offset {slot.offset} is not pinned")
         self._unpin(slot)
+
+    def hold(self, slot: Slot) -> None:
+        """Pins a live slot (reserved or committed) by its range, not its key: a client writes
+        it in place, so its range must not pass to another blob, whatever happens to the
+        reservation, until :meth:`unpin`."""
+        self._require_open()
+        if self._owner.get(slot.offset) is None:
+            raise InvalidSlotError(f"{self.name}: slot at offset {slot.offset} is not live")
+        self._pin(slot)
 
     def pinned(self, slot: Slot) -> int:
         """How many pins hold ``slot``."""

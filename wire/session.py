@@ -6,18 +6,20 @@ gRPC cannot pass file descriptors, so the daemon also listens on a unix socket o
 1. client -> daemon, one JSON line (at most ``MAX_LINE_BYTES``)::
 
        {"version": 1, "token": "<bearer token, or empty>", "tenant": "<tenant>",
-        "staging_bytes": <bytes the client wants to write at once, 0: the most>,
+        "staging_bytes": <bytes the client wants to hold reserved at once, 0: the most>,
         "pin": <true when the client registers the arena with CUDA>}
 
-2. daemon -> client, one JSON line, and on success two descriptors (``SCM_RIGHTS``): the
-   tenant's arena, opened read-only, then the session's staging area, writable::
+2. daemon -> client, one JSON line, and on success two descriptors (``SCM_RIGHTS``) of the
+   tenant's arena: read-only (for reads), then read-write (for puts, which write the slots
+   Reserve holds for them in place); ``staging_bytes`` is the session's window, the bytes it
+   may hold reserved at once (the name is from when puts went through a staging area)::
 
        {"ok": true, "instance_id": "<hex>", "session": "<hex>", "arena_id": "<hex>",
         "arena_bytes": <n>, "staging_bytes": <n>}
        {"ok": false, "code": "UNAUTHENTICATED", "message": "..."}   (no descriptors)
 
 3. the connection stays open: it *is* the session. When the client closes it (or dies), the
-   daemon aborts the session's reservations and drops its staging area.
+   daemon aborts the session's reservations and lets go of the slots it held.
 4. calls: a welcome with ``"calls": true`` also serves the read path's control calls on this
    connection, at a fraction of a gRPC call's cost (tens of microseconds, not hundreds):
    ``CALLS`` (``Lookup``, ``Acquire``, ``Release``), their gRPC messages in frames. A request

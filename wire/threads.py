@@ -14,7 +14,11 @@
   copy split over up to ``COPY_LANES`` threads: one thread's memcpy moves about half of what
   the memory can. A span costs no array of its own (``memmove`` through ctypes, which
   releases the GIL). The caller checks the spans and keeps their
-  memory alive and mapped until it returns.
+  memory alive and mapped until it returns;
+- ``copy_and_sum_spans(spans)`` copies each span as ``copy_spans`` does and returns the
+  xxh3-64 of what landed in each, taken as it lands (``copy_and_sum_at``: a cache-sized
+  piece copied, then summed while it is still in cache; 0.8x of a plain copy where a copy
+  and then a sum of the same bytes make two passes over memory), whole spans on each lane.
 
 Shared by the host tier and the client's shared-memory mappings.
 """
@@ -30,11 +34,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor  # loads the executor module now, not later
 from typing import TypeVar
 
+import xxhash
+
 __all__ = [
     "COPY_LANES",
     "COPY_THREAD_BYTES",
     "THREAD_BYTES",
     "Span",
+    "copy_and_sum_at",
+    "copy_and_sum_spans",
     "copy_spans",
     "offload",
     "pread_exactly",
@@ -55,6 +63,7 @@ LANE_BYTES = 2 << 20  # the least share of a copy worth a thread of its own
 # inline and 0.2-0.6x in a thread (benchmarks/tiers.py, same run).
 THREAD_BYTES = 1 << 20
 COPY_THREAD_BYTES = 4 << 20
+SUM_CHUNK_BYTES = 256 << 10  # copied, then summed while still in cache
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
 
 
@@ -73,6 +82,54 @@ def copy_spans(spans: Sequence[Span], lanes: int | None = None) -> None:
         _move_share(spans)
         return
     _in_lanes(_span_shares(spans, -(-total // lanes)), _move_share)
+
+
+def copy_and_sum_spans(spans: Sequence[Span], lanes: int | None = None) -> list[int]:
+    """:func:`copy_spans`, and the xxh3-64 of each span's target as it landed: the spans (each
+    a whole block) dealt out in order to up to ``lanes`` threads of about equal bytes."""
+    total = sum(span[2] for span in spans)
+    lanes = min(COPY_LANES if lanes is None else lanes, total // LANE_BYTES, len(spans))
+    sums = [0] * len(spans)
+    numbered = list(enumerate(spans))
+
+    def share(part: Sequence[tuple[int, Span]]) -> None:
+        for index, (src, dst, length) in part:
+            sums[index] = copy_and_sum_at(src, dst, length)
+
+    if lanes < 2:
+        share(numbered)
+    else:
+        _in_lanes(_whole_shares(numbered, -(-total // lanes)), share)
+    return sums
+
+
+def copy_and_sum_at(source: int, target: int, length: int) -> int:
+    """Copies ``length`` bytes from address ``source`` to address ``target`` and returns the
+    xxh3-64 of what landed there, ``SUM_CHUNK_BYTES`` at a time (copied, then summed while
+    still in cache), without the GIL. Nothing is checked (see :func:`copy_spans`)."""
+    digest = xxhash.xxh3_64()
+    if length == 0:
+        return digest.intdigest()
+    landed = memoryview((ctypes.c_char * length).from_address(target)).cast("B")
+    move = ctypes.memmove
+    for start in range(0, length, SUM_CHUNK_BYTES):
+        step = min(SUM_CHUNK_BYTES, length - start)
+        move(target + start, source + start, step)
+        digest.update(landed[start : start + step])
+    return digest.intdigest()
+
+
+def _whole_shares(items: Sequence[tuple[int, Span]], size: int) -> list[list[tuple[int, Span]]]:
+    """The items in consecutive shares of about ``size`` bytes, none cut."""
+    shares: list[list[tuple[int, Span]]] = [[]]
+    filled = 0
+    for item in items:
+        if filled >= size:
+            shares.append([])
+            filled = 0
+        shares[-1].append(item)
+        filled += item[1][2]
+    return shares
 
 
 def _in_lanes(shares: Sequence[ShareT], copy: Callable[[ShareT], None]) -> None:

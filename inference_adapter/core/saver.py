@@ -5,7 +5,7 @@ a staging tensor on the pool's device and offers it here as a :class:`SaveJob`. 
 gather is queued on the engine's stream and the job carries the event recorded after it
 (:func:`ready_event`); the engine never waits for it. A background thread ``put``s jobs in
 order; it waits for a job's event, then, for a job on CUDA, runs the put on a stream of its
-own, so the device-to-host copy lands straight in the daemon's staging slots (by DMA when
+own, so the device-to-host copy lands straight in the arena slots the daemon reserved (by DMA when
 the client registered its shm session with CUDA: ``pin_arena``) while the engine's stream
 goes on computing. No host bounce buffer: the bytes cross the link once, and the daemon's
 copy into its arena computes the checksum once. Queued CUDA jobs hold device memory, at most

@@ -25,7 +25,7 @@ Per step, in vLLM's order:
    layer ``i`` of the step's new full blocks out of vLLM's tensors into staging on vLLM's
    device, as vLLM holds them (on a copy thread of its own on the CPU, on the caller's
    stream on CUDA, where the save queue's thread later copies the staging straight into the
-   daemon's staging slots: no host bounce buffer; queued saves hold at most
+   arena slots the daemon reserved: no host bounce buffer; queued saves hold at most
    ``save_queue_blocks`` blocks of device memory, and a save the device has no memory for
    is dropped). The
    blocks a step saves are chosen when their first layer is captured: only as many as the
@@ -357,7 +357,8 @@ class WorkerSide:
 
     def _admit(self, specs: Sequence[SaveSpec]) -> list[tuple[SaveSpec, torch.Tensor]]:
         """Staging for the saves the queue has room for, on vLLM's device: the save queue's
-        thread copies it straight into the daemon's staging slots (no host bounce buffer).
+        thread copies it straight into the arena slots the daemon reserved (no host bounce
+        buffer).
         A save that does not fit the queue, or the device's free memory, is dropped."""
         admitted: list[tuple[SaveSpec, torch.Tensor]] = []
         taken = 0

@@ -244,8 +244,8 @@ async def test_many_concurrent_puts_and_gets(
 async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
     daemon: Daemon, namespace: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A put cut into batches: each copied into staging after the one before, at most four
-    (what the staging area holds) between their Reserve and their Commit's reply at once,
+    """A put cut into batches: each copied into its arena slots after the one before, at most
+    four (what the session's window holds) between their Reserve and their Commit's reply at once,
     every status in its place (blocks stored before answer DEDUP from the middle of the
     put)."""
     monkeypatch.setattr(transfer, "MIN_BATCH_BYTES", 1)  # batches of one block
@@ -260,11 +260,11 @@ async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
         assert session is not None
         copied: list[int] = []
         in_flight = most = 0
-        copy_in, unary = session.staging.copy_in, client._conn.unary
+        write, unary = session.writer.write, client._conn.unary
 
         async def spy_copy(slots, sources, stream=None):  # type: ignore[no-untyped-def]
             copied.extend(blocks.index(source) for source in sources)
-            await copy_in(slots, sources, stream)
+            return await write(slots, sources, stream)
 
         async def spy_unary(method, request, reply):  # type: ignore[no-untyped-def]
             nonlocal in_flight, most
@@ -280,7 +280,7 @@ async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
                 )
                 in_flight -= method == "Commit" or nothing_reserved
 
-        monkeypatch.setattr(session.staging, "copy_in", spy_copy)
+        monkeypatch.setattr(session.writer, "write", spy_copy)
         monkeypatch.setattr(client._conn, "unary", spy_unary)
         statuses = await client.put(namespace, keys, blocks)
 

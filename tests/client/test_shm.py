@@ -1,5 +1,5 @@
-"""The client's shared memory, on memory files made here (no daemon needed): the read-only
-arena, the writable staging area, copies, views, checksums and the staging budget."""
+"""The client's shared memory, on memory files made here (no daemon needed): the arena mapped
+read-only and writable, copies, views, checksums and the write window's budget."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from kvstore.client.errors import CorruptBlockError
 from kvstore.client.shm import (
     Arena,
-    Staging,
-    StagingBudget,
+    WriteBudget,
+    Writer,
     as_bytes,
     check_payloads,
 )
@@ -36,28 +36,27 @@ def read_only(fd: int) -> int:
 
 
 @pytest.fixture
-async def areas() -> tuple[Arena, Staging, mmap.mmap]:
-    """An arena (read-only here), a staging area, and the arena as the daemon maps it."""
+async def areas() -> tuple[Arena, Writer, mmap.mmap]:
+    """The arena mapped read-only and writable here, and as the daemon maps it."""
     arena_fd = memfd()
     daemon = mmap.mmap(arena_fd, AREA_BYTES)
     arena = Arena(read_only(arena_fd), AREA_BYTES, b"a" * 16)
+    writer = Writer(os.dup(arena_fd), AREA_BYTES)
     os.close(arena_fd)
-    staging = Staging(memfd(), AREA_BYTES)
-    yield arena, staging, daemon
+    yield arena, writer, daemon
     await arena.aclose()
-    await staging.aclose()
+    await writer.aclose()
     daemon.close()
 
 
 @pytest.mark.parametrize("length", [4096, 3 * THREAD_BYTES])  # inline and threaded
-async def test_copies_in_and_out_are_bit_exact(areas, length: int) -> None:
-    arena, staging, daemon = areas
+async def test_copies_in_and_out_are_bit_exact_and_writes_are_summed(areas, length: int) -> None:
+    arena, writer, daemon = areas
     data = os.urandom(length)
     tensor = torch.randint(-(2**15), 2**15, (length // 2,), dtype=torch.int16)
-    await staging.copy_in([(0, length), (length, length)], [data, tensor])
-    assert bytes(staging.view(0, length)) == data
-    daemon[0:length] = data  # what the daemon's commit copies into the arena
-    daemon[length : 2 * length] = bytes(staging.view(length, length))
+    sums = await writer.write([(0, length), (length, length)], [data, tensor])
+    assert bytes(daemon[0:length]) == data  # written in place: the daemon copies nothing
+    assert sums == [payload_checksum(data), payload_checksum(tensor.numpy().tobytes())]
 
     assert await arena.read([(0, length)]) == [data]
     out = bytearray(length)
@@ -66,13 +65,21 @@ async def test_copies_in_and_out_are_bit_exact(areas, length: int) -> None:
     received = torch.empty_like(tensor)
     await arena.copy_out([(length, length)], [received])
     assert torch.equal(received, tensor)
-    assert await staging.checksums([(0, length)]) == [payload_checksum(data)]
+
+
+async def test_many_blocks_are_summed_each_on_the_lanes(areas) -> None:
+    _, writer, daemon = areas
+    length = THREAD_BYTES // 2
+    blocks = [os.urandom(length) for _ in range(8)]  # 4 MiB: dealt to several lanes
+    slots = [(i * length, length) for i in range(8)]
+    assert await writer.write(slots, blocks) == [payload_checksum(b) for b in blocks]
+    assert bytes(daemon[0 : 8 * length]) == b"".join(blocks)
 
 
 async def test_copies_refuse_buffers_of_another_size_and_read_only_targets(areas) -> None:
-    arena, staging, _ = areas
+    arena, writer, _ = areas
     with pytest.raises(ValueError, match="4095-byte buffer cannot take a 4096-byte slot"):
-        await staging.copy_in([(0, 4096)], [bytes(4095)])
+        await writer.write([(0, 4096)], [bytes(4095)])
     with pytest.raises(ValueError, match="8192-byte buffer"):
         await arena.copy_out([(0, 4096)], [torch.zeros(2048, dtype=torch.int32)])
     with pytest.raises(ValueError, match="read-only"):
@@ -111,28 +118,28 @@ async def test_verify_names_the_block_that_does_not_match(areas) -> None:
 
 
 def test_slots_outside_the_areas_are_refused(areas) -> None:
-    arena, staging, _ = areas
-    for area in (arena, staging):
+    arena, writer, _ = areas
+    for area in (arena, writer):
         for offset, length in [(-1, 4), (AREA_BYTES - 2, 4), (0, AREA_BYTES + 1)]:
             with pytest.raises(ValueError, match="outside"):
                 area.view(offset, length)
 
 
 async def test_closing_with_a_live_view_keeps_the_mapping_until_released() -> None:
-    staging = Staging(memfd(), AREA_BYTES)
-    await staging.copy_in([(0, 3)], [b"abc"])
-    view = staging.view(0, 3)
+    writer = Writer(memfd(), AREA_BYTES)
+    await writer.write([(0, 3)], [b"abc"])
+    view = writer.view(0, 3)
 
-    staging.close()
+    writer.close()
 
     assert bytes(view) == b"abc"  # still mapped
     view.release()
     with pytest.raises(ValueError, match="closed"):
-        staging.view(0, 3)
+        writer.view(0, 3)
 
 
-async def test_the_staging_budget_holds_puts_back_until_bytes_are_free() -> None:
-    budget = StagingBudget(4 * 4096, page=4096)
+async def test_the_write_budget_holds_puts_back_until_bytes_are_free() -> None:
+    budget = WriteBudget(4 * 4096, page=4096)
     assert budget.slot_bytes(1) == 4096 and budget.slot_bytes(4097) == 8192
     order: list[str] = []
 
@@ -182,11 +189,10 @@ def test_as_bytes_views_without_copying() -> None:
 
 
 async def test_numpy_arrays_are_payloads_and_targets(areas) -> None:
-    arena, staging, daemon = areas
+    arena, writer, _ = areas
     length = 2 * THREAD_BYTES  # threaded
     sent = np.random.default_rng(0).integers(0, 2**16, length // 2, dtype=np.uint16)
-    await staging.copy_in([(0, length)], [sent])
-    daemon[0:length] = bytes(staging.view(0, length))
+    await writer.write([(0, length)], [sent])
     received = np.zeros((2, length // 4), dtype=np.uint16)
     check_payloads([received], length, what="out", writable=True)
     await arena.copy_out([(0, length)], [received])

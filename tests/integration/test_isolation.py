@@ -4,9 +4,11 @@ bob's token, against a real daemon that holds alice's blocks.
 The attacker (``tests/support/attacker.py``, a child process) tries everything a co-located
 engine could: find an arena under /dev/shm, open the daemon's descriptors or memory through
 /proc, open a shm session for alice with bob's token, scan bob's own arena for alice's bytes,
-write or reopen that arena writable, attach to alice's session or use her namespace and lease
-through the session socket's calls (and break that protocol), and, over gRPC, use alice's
-namespace, probe alice's keys for existence (DEDUP) or squat on them. Each attempt reports
+write or reopen its read-only descriptor writable, resize it, scribble over every byte of the
+writable one (bob's own arena file, which his puts fill in place), attach to alice's session
+or use her namespace and lease through the session socket's calls (and break that protocol),
+and, over gRPC, use alice's namespace, probe alice's keys for existence (DEDUP) or squat on
+them. Each attempt reports
 what happened; the test asserts every one failed, and that alice still reads exactly what
 she wrote.
 
@@ -98,8 +100,10 @@ def test_another_tenant_can_neither_read_nor_write_nor_probe_alices_kv(tmp_path:
         for name in ("session_for_alice", "session_no_token"):
             assert report[name].startswith("refused"), report
         assert report["alice_bytes_in_bobs_arena"] is False
-        for name in ("map_arena_writable", "write_arena", "truncate_arena", "truncate_staging"):
+        for name in ("map_arena_writable", "write_arena", "truncate_arena",
+                     "truncate_arena_writer", "grow_arena_writer"):  # fmt: skip
             assert report[name].startswith("refused"), report
+        assert report["scribbled_own_arena"] is True  # all bob's: alice's bytes are checked below
         for name in ("register_alice", "lookup_alice_ns", "acquire_alice_ns"):
             assert report[name] == "refused: _InactiveRpcError StatusCode.PERMISSION_DENIED", report
         assert report["commit_alice_reservation"].endswith("PERMISSION_DENIED"), report
@@ -123,7 +127,7 @@ def test_another_tenant_can_neither_read_nor_write_nor_probe_alices_kv(tmp_path:
         assert report["bob_plane"] == "shm"
         # Alice's reservation is still hers to finish.
         slot = reserved.reservations[0].slot
-        staged = opened.staging.tensor(slot.offset, slot.length)
+        staged = opened.writer.tensor(slot.offset, slot.length)
         staged.numpy()[:] = memoryview(alice_payload(pending))
         with grpc.insecure_channel(daemon.address) as channel:
             stub = kvstore_pb2_grpc.KVStoreStub(channel)

@@ -23,7 +23,7 @@ run, answer its health check, store and return blocks bit-exact and have logged 
 The tests share one daemon and run in file order (the last one checks it); requests are
 sent one at a time, so a seed replays the same requests. Cases that once found a daemon bug
 keep a test of their own, some on daemons of their own: hello lines that ``json`` cannot
-decode, a Reserve far past the staging area, parent cycles (refused now; they used to
+decode, a Reserve far past the session's window, parent cycles (refused now; they used to
 freeze Delete and pin the arena).
 
 Each failure names what was sent (method, seed and case, a hex prefix of the bytes). With
@@ -151,7 +151,7 @@ async def test_random_field_values_to_every_rpc(world: World) -> None:
     verdicts = Verdicts("random fields")
     unary = [m for m in METHODS if not m.client_streaming]
     put = next(m for m in METHODS if m.client_streaming)
-    with shm_session(world.daemon) as (session, staging):
+    with shm_session(world.daemon) as (session, arena):
         world.session = session
         async with open_channels(world.daemon.address) as channels:
             for i in range(ROUNDS):
@@ -167,7 +167,7 @@ async def test_random_field_values_to_every_rpc(world: World) -> None:
                     verdicts.record(method.name, reply, case)
                     if problem := broken_promise(request, reply):
                         verdicts.fail(f"{method.name} answered OK with {problem}: {case}")
-                    learn(world, request, reply, staging, rng)
+                    learn(world, request, reply, arena, rng)
                 chunks = [fuzzer.message(pb.PutChunk) for _ in range(rng.randint(1, 3))]
                 data_chunks = [chunk.SerializeToString() for chunk in chunks]
                 reply = await call(channels, put, data_chunks)
@@ -218,15 +218,15 @@ async def test_random_put_streams(world: World) -> None:
     verdicts.check(world.daemon)
 
 
-async def test_a_reserve_past_the_staging_area_does_not_stall_the_daemon(world: World) -> None:
-    """A valid Reserve of many more blocks than the session's staging area holds: NO_SPACE
-    for the rest, while the daemon keeps answering other calls (here: its health check)."""
+async def test_a_reserve_past_the_window_does_not_stall_the_daemon(world: World) -> None:
+    """A valid Reserve of many more blocks than the session's window holds: NO_SPACE for the
+    rest, while the daemon keeps answering other calls (here: its health check)."""
     rng = random.Random(f"{SEED}/reserve-many")
-    count = 20_000  # 1024 staging slots of 4 KiB: ~19M slot checks on the event loop today
+    count = 20_000  # a window of 1024 blocks of 4 KiB
     blocks = [
         pb.BlockSpec(key=rng.randbytes(32), parent=ROOT_KEY, num_tokens=16) for _ in range(count)
     ]
-    with shm_session(world.daemon, staging_bytes=4 << 20) as (session, _staging):
+    with shm_session(world.daemon, staging_bytes=4 << 20) as (session, _arena):
         request = pb.ReserveRequest(namespace=world.namespace, blocks=blocks, session=session)
         async with grpc.aio.insecure_channel(world.daemon.address) as channel:
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
@@ -240,7 +240,7 @@ async def test_a_reserve_past_the_staging_area_does_not_stall_the_daemon(world: 
                 waited = time.monotonic() - started
                 pytest.fail(
                     f"health check {error.code().name} after {waited:.1f} s while a Reserve "
-                    f"of {count} blocks ran (one 4 MiB staging area)"
+                    f"of {count} blocks ran (a 4 MiB window)"
                 )
             finally:
                 reply = await reserve

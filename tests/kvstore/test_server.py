@@ -239,7 +239,7 @@ async def test_shared_memory_write_and_read(kv: Daemon, address: str) -> None:
         assert reserved.expires_in == 5.0
         slots = [(r.slot.offset, r.slot.length) for r in reserved.reservations]
         assert all(length == BLOCK for _, length in slots)
-        await session.staging.copy_in(slots, [payload for _, payload in blocks])
+        await session.writer.write(slots, [payload for _, payload in blocks])
         commit = pb.CommitRequest(namespace=ns, keys=keys(blocks), session=session.session_id)
         assert list((await stub.Commit(commit)).statuses) == [pb.STORED] * 2
         assert list((await stub.Commit(commit)).statuses) == [pb.EXPIRED] * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import TypeVar
@@ -280,7 +281,7 @@ async def test_a_many_block_reserve_commit_and_acquire_let_other_calls_run_betwe
         service.reserve(ns, [spec for spec, _ in chain], session=session.session_id)
     )
     slots = [(item.slot.offset, item.slot.length) for item in reserved.items]
-    await session.staging.copy_in(slots, [payload for _, payload in chain])
+    await session.writer.write(slots, [payload for _, payload in chain])
     statuses = await watch(service.commit(ns, keys(chain), session=session.session_id))
     acquired = await watch(service.acquire(ns, keys(chain), lease_seconds=5.0))
     assert statuses == [PutStatus.STORED] * 48 and acquired.lease.num_blocks == 48
@@ -296,10 +297,10 @@ async def test_reserve_write_commit_acquire_read_release(service, session) -> No
     reserved = await service.reserve(ns, [spec for spec, _ in blocks], session=session.session_id)
     assert [r.status for r in reserved.items] == [PutStatus.RESERVED] * 2
     assert reserved.expires_in == 5.0
-    # Invisible until committed; the slots are in the session's staging area.
+    # Invisible until committed; the slots are in alice's arena, written in place.
     assert (await service.lookup(ns, keys(blocks))).num_blocks == 0
     slots = [(item.slot.offset, item.slot.length) for item in reserved.items]
-    await session.staging.copy_in(slots, [payload for _, payload in blocks])
+    await session.writer.write(slots, [payload for _, payload in blocks])
     statuses = await service.commit(ns, keys(blocks), session=session.session_id)
     assert statuses == [PutStatus.STORED] * 2
     assert await service.commit(ns, keys(blocks), session=session.session_id) == (
@@ -320,20 +321,36 @@ async def test_reserve_write_commit_acquire_read_release(service, session) -> No
         await service.release(acquired.lease.lease_id)
 
 
-async def test_a_commit_whose_bytes_do_not_match_their_checksum_stores_nothing(
-    service, session
+async def test_a_block_unlike_the_checksum_its_writer_committed_is_never_served(
+    service, store, session
 ) -> None:
+    """The daemon records the writer's checksum without reading the bytes: a writer that
+    lies (or writes the slot again after its commit) gets STORED, and the block is a miss,
+    counted, wherever the daemon reads it."""
     ns = service.register_namespace(MODEL, "alice")
     ((spec, payload),) = blocks_of("alice", 1)
     reserved = await service.reserve(ns, [spec], session=session.session_id)
     slot = reserved.items[0].slot
-    await session.staging.copy_in([(slot.offset, slot.length)], [payload])
+    await session.writer.write([(slot.offset, slot.length)], [payload])
     wrong = [payload_checksum(payload) ^ 1]
     statuses = await service.commit(ns, [spec.key], session=session.session_id, checksums=wrong)
-    assert statuses == [PutStatus.CHECKSUM_MISMATCH]
-    assert (await service.lookup(ns, [spec.key])).num_blocks == 0
+    assert statuses == [PutStatus.STORED]
+    assert await store.get(spec.key, ns) is None  # copied out and checked: a miss
+    assert store.stats().corrupt_blocks == 1
+    assert (await service.lookup(ns, [spec.key])).num_blocks == 0  # and dropped
     with pytest.raises(InvalidRequestError, match="one per key: 1 keys, 2 checksums"):
         await service.commit(ns, [spec.key], session=session.session_id, checksums=[1, 2])
+
+
+async def test_without_checksums_the_daemon_sums_what_was_written(service, store, session) -> None:
+    ns = service.register_namespace(MODEL, "alice")
+    ((spec, payload),) = blocks_of("alice", 1)
+    reserved = await service.reserve(ns, [spec], session=session.session_id)
+    slot = reserved.items[0].slot
+    await session.writer.write([(slot.offset, slot.length)], [payload])
+    assert await service.commit(ns, [spec.key], session=session.session_id) == [PutStatus.STORED]
+    block = await store.get(spec.key, ns)
+    assert block is not None and block.checksum == payload_checksum(payload)
 
 
 async def test_abort_frees_a_reservation(service, session) -> None:
@@ -440,33 +457,79 @@ async def test_tenants_and_their_namespaces_are_bounded(service) -> None:
         service.register_namespace(ModelFingerprint("last", 2, 2, 64, "float16"), "tenant-1")
 
 
-async def test_staging_slots_of_reserves_under_way_are_never_handed_out_twice(
+async def test_a_slot_whose_reservation_expired_passes_to_no_block_while_its_writer_holds_it(
+    service: KVStoreService, store: BlockStore, session: ShmSession
+) -> None:
+    """A slow writer (its reservation's TTL ran out while it wrote) still writes its slot in
+    place: the range stays held until it commits or aborts, so its late bytes land in no
+    other block, however hard the arena turns over; its Commit is EXPIRED, and only then is
+    the range free."""
+    ns = service.register_namespace(MODEL, "alice")
+    host = store.tiers[0].tier
+    assert isinstance(host, HostTier)
+    ((slow_spec, slow_payload),) = blocks_of("alice", 1, salt=9)
+    slow = (await service.reserve(ns, [slow_spec], session=session.session_id)).items[0].slot
+    assert slow is not None
+    assert await store.writes.expire(time.monotonic() + 3600) == 1  # its TTL ran out
+    assert host.usage() == host.slot_bytes(BLOCK)  # yet its range is still held
+    assert service.sessions is not None
+    filler = await ShmSession.open(str(service.sessions.path), Hello("", "alice", 1 << 20))
+    try:
+        stored: list[tuple[BlockSpec, bytes]] = []
+        for round_ in range(12):  # 96 blocks through a 64-block arena: evictions all along
+            batch = blocks_of("alice", 8, salt=round_)
+            reserved = await service.reserve(ns, [b for b, _ in batch], session=filler.session_id)
+            slots = [(r.slot.offset, r.slot.length) for r in reserved.items]
+            assert all(o + n <= slow.offset or o >= slow.end for o, n in slots), round_
+            await filler.writer.write(slots, [payload for _, payload in batch])
+            statuses = await service.commit(ns, keys(batch), session=filler.session_id)
+            assert statuses == [PutStatus.STORED] * 8
+            stored += batch
+        await session.writer.write([(slow.offset, slow.length)], [slow_payload])  # late
+        held = 0
+        for spec, payload in stored:
+            block = await store.get(spec.key, ns)
+            if block is not None:
+                held += 1
+                assert block.payload == payload
+        assert held > 0 and store.stats().corrupt_blocks == 0
+        used = host.usage()
+        assert await service.commit(ns, [slow_spec.key], session=session.session_id) == [
+            PutStatus.EXPIRED
+        ]
+        assert host.usage() == used - host.slot_bytes(BLOCK)  # let go of: free now
+    finally:
+        await filler.aclose()
+
+
+async def test_reserves_under_way_hold_the_window_and_never_share_a_slot(
     service, store, monkeypatch
 ) -> None:
     ns = service.register_namespace(MODEL, "alice")
     assert service.sessions is not None
     opened = await ShmSession.open(str(service.sessions.path), Hello("", "alice", 2 * BLOCK))
     try:
-        real = store.reserve
+        real = store.writes.reserve
 
         async def slow_reserve(*args: object, **kwargs: object) -> object:
             await asyncio.sleep(0.05)  # evicting to make room
             return await real(*args, **kwargs)
 
-        monkeypatch.setattr(store, "reserve", slow_reserve)
+        monkeypatch.setattr(store.writes, "reserve", slow_reserve)
+        monkeypatch.setattr(store.writes, "reserve_now", lambda *args, **kwargs: None)
         blocks = blocks_of("alice", 3)
         sid = opened.session_id
         first = [
             asyncio.create_task(service.reserve(ns, [spec], session=sid)) for spec, _ in blocks[:2]
         ]
-        await asyncio.sleep(0.01)  # both hold their staging slots, their reservations under way
+        await asyncio.sleep(0.01)  # both hold their share of the window, reservations under way
         third = await service.reserve(ns, [blocks[2][0]], session=sid)
-        assert [r.status for r in third.items] == [PutStatus.NO_SPACE]  # the staging area is full
+        assert [r.status for r in third.items] == [PutStatus.NO_SPACE]  # the window is full
         done = [(await task).items[0] for task in first]
         assert [r.status for r in done] == [PutStatus.RESERVED] * 2
         assert done[0].slot != done[1].slot
         slots = [(r.slot.offset, r.slot.length) for r in done]
-        await opened.staging.copy_in(slots, [payload for _, payload in blocks[:2]])
+        await opened.writer.write(slots, [payload for _, payload in blocks[:2]])
         statuses = await service.commit(ns, keys(blocks[:2]), session=sid)
         assert statuses == [PutStatus.STORED] * 2
         for spec, payload in blocks[:2]:

@@ -82,7 +82,12 @@ def sessions(report: Report, path: str, mark: bytes) -> ShmSession:
     attempt(report, "write_arena", lambda: os.write(fd, b"x"))
     attempt(report, "truncate_arena", lambda: os.ftruncate(fd, 0))
     attempt(report, "reopen_arena_writable", lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDWR))
-    attempt(report, "truncate_staging", lambda: os.ftruncate(session.staging._fd, 0))
+    writer = session.writer._fd  # bob's own arena, writable: his puts fill it in place
+    attempt(report, "truncate_arena_writer", lambda: os.ftruncate(writer, 0))
+    attempt(report, "grow_arena_writer", lambda: os.ftruncate(writer, 2 * size))
+    # Every byte of his own arena file is bob's to write: none of it may be alice's.
+    session.writer._open_bytes()[:] = 0xEE
+    report["scribbled_own_arena"] = True
     return session
 
 

@@ -189,11 +189,11 @@ def learn(
     world: World,
     request: Message,
     reply: Reply,
-    staging: mmap.mmap,
+    arena: mmap.mmap,
     rng: random.Random,
 ) -> None:
     """Keeps what an OK reply hands out (leases, reserved keys) for later requests, and
-    writes random payloads into the staging slots reserved, for the commits that follow."""
+    writes random payloads into the arena slots reserved, for the commits that follow."""
     method = request.DESCRIPTOR.name.removesuffix("Request")
     if reply.code != Code.OK:
         return
@@ -204,8 +204,8 @@ def learn(
         assert isinstance(request, pb.ReserveRequest)
         for spec, item in zip(request.blocks, reservations, strict=False):
             slot = item.slot
-            if item.status == pb.RESERVED and slot.offset + slot.length <= len(staging):
-                staging[slot.offset : slot.offset + slot.length] = rng.randbytes(slot.length)
+            if item.status == pb.RESERVED and slot.offset + slot.length <= len(arena):
+                arena[slot.offset : slot.offset + slot.length] = rng.randbytes(slot.length)
                 world.reserved.append(spec.key)
 
 

@@ -1,6 +1,6 @@
 """The shm session socket under fuzzing: sessions, raw hello exchanges, garbage hellos.
 
-:func:`shm_session` opens a real session of tenant-a (its id and mapped staging area);
+:func:`shm_session` opens a real session of tenant-a (its id and its arena, mapped writable);
 :func:`hello_exchange` sends any bytes on a fresh connection; :func:`shm_garbage` lists the
 hello lines to send, with whether a session should open, and :func:`check_shm_answer` says
 what is wrong with the daemon's answer (a refusal line, or the connection closed).
@@ -24,7 +24,8 @@ from tests.support.fuzz_world import OTHER_TENANT, SHM_CODES, TENANT
 
 @contextlib.contextmanager
 def shm_session(daemon: Daemon, staging_bytes: int = 1 << 20) -> Iterator[tuple[bytes, mmap.mmap]]:
-    """An open shm session of tenant-a: its id and its staging area, mapped writable."""
+    """An open shm session of tenant-a (a window of ``staging_bytes``): its id and its
+    tenant's arena, mapped writable (the descriptor a put writes its slots through)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10.0)
         sock.connect(session_path(str(daemon.socket_path)))
@@ -33,12 +34,12 @@ def shm_session(daemon: Daemon, staging_bytes: int = 1 << 20) -> Iterator[tuple[
         try:
             reply = json.loads(line.split(b"\n")[0])
             assert reply["ok"], reply
-            staging = mmap.mmap(fds[1], reply["staging_bytes"])
+            arena = mmap.mmap(fds[1], reply["arena_bytes"])
         finally:
             for fd in fds:
                 os.close(fd)
-        with staging:
-            yield bytes.fromhex(reply["session"]), staging
+        with arena:
+            yield bytes.fromhex(reply["session"]), arena
 
 
 def hello_exchange(daemon: Daemon, data: bytes, *, half_close: bool = True) -> tuple[bytes, int]:

@@ -5,7 +5,7 @@ Modes:
 - ``roundtrip ADDRESS NAME SHM``: puts the shared chain and a chain of its own, reads both
   back through the chosen data plane, and prints a JSON report (statuses, bit-exactness).
 - ``hold ADDRESS SECONDS``: puts two blocks, leases them, reserves two more through an shm
-  session and half-writes one into its staging slot, prints a report, then swaps its lease
+  session and half-writes one into its arena slot, in place, prints a report, then swaps its lease
   for one of ``SECONDS``, prints that lease's slots and sleeps, so a test can SIGKILL it
   while it holds all of that.
 """
@@ -77,9 +77,9 @@ def hold(address: str, lease_s: float) -> None:
         pb.ReserveRequest(namespace=ns, blocks=specs, session=session.session_id)
     )
     slot = reserved.reservations[0].slot
-    with session.staging.view(slot.offset, slot.length) as view:
+    with session.writer.view(slot.offset, slot.length) as view:
         assert view.readonly  # a view is for reading: write through the mapping
-    half = session.staging.tensor(slot.offset, BLOCK // 2)
+    half = session.writer.tensor(slot.offset, BLOCK // 2)
     half.numpy()[:] = memoryview(payload(keys[2])[: BLOCK // 2])
     stats = stub.Stats(pb.StatsRequest())
     host = next(t for t in stats.tiers if t.name == "host")
