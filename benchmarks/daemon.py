@@ -48,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -58,7 +58,7 @@ import torch
 import uvloop
 
 from kvstore.client import AsyncKVStoreClient, ModelFingerprint, Namespace, WriteStatus, block_keys
-from kvstore.config import load_config
+from kvstore.config import Config, load_config
 from kvstore.launch import kvstore_command
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.blocks import payload_checksum
@@ -138,8 +138,8 @@ class Chain:
     out: torch.Tensor  # [count, size] uint8, pre-faulted: every get lands here
 
     @classmethod
-    def random(cls, model: ModelFingerprint, count: int) -> Chain:
-        namespace = Namespace(model, tenant="bench")
+    def random(cls, model: ModelFingerprint, count: int, tenant: str = "bench") -> Chain:
+        namespace = Namespace(model, tenant=tenant)
         size = model.layout().payload_bytes
         tokens = torch.randint(0, 1 << 31, (count * model.block_tokens,)).tolist()
         blocks = torch.randn(count, size // 2, dtype=torch.float16).view(torch.uint8)
@@ -393,6 +393,37 @@ def percentiles_ms(seconds: Sequence[float]) -> tuple[float, float]:
 
 
 @dataclass(frozen=True, slots=True)
+class Daemon:
+    """A started ``kvstore serve`` child process, on a unix socket, perhaps not serving yet."""
+
+    address: str
+    proc: asyncio.subprocess.Process
+    log: Path
+    config: Config
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def serving(self) -> None:
+        """Waits until the daemon serves (opens a channel: start other children first)."""
+        await serving(self.proc, self.address, self.log)
+
+
+@contextlib.asynccontextmanager
+async def started_daemon(scratch: Path, arena_bytes: int) -> AsyncIterator[Daemon]:
+    """Starts the daemon (an ``arena_bytes`` host tier, config ``daemon_config``) on a unix
+    socket in ``scratch``; stops it on exit. Does not wait for it to serve: a caller starts
+    its other children first (gRPC warns of forks after a channel is open), then awaits
+    :meth:`Daemon.serving`."""
+    config, sock, log = (scratch / name for name in ("kvstore.toml", "kvstore.sock", "daemon.log"))
+    config.write_text(daemon_config(sock, arena_bytes))
+    serve = kvstore_command("serve", "--config", str(config), "--log-level", "warning")
+    async with child(serve, log) as proc:
+        yield Daemon(f"unix:{sock}", proc, log, load_config(config))
+
+
+@dataclass(frozen=True, slots=True)
 class Servers:
     """The daemon and the raw server, serving: their addresses and the message-size limit."""
 
@@ -405,20 +436,15 @@ class Servers:
 async def servers(scratch: Path, arena_bytes: int) -> AsyncIterator[Servers]:
     """Starts the daemon (an ``arena_bytes`` host tier) and the raw server on unix sockets
     in ``scratch``, waits until both serve, and stops them on exit."""
-    config, sock, raw_sock = (
-        scratch / name for name in ("kvstore.toml", "kvstore.sock", "raw.sock")
-    )
-    config.write_text(daemon_config(sock, arena_bytes))
-    limit = load_config(config).server.max_message_bytes
-    serve = kvstore_command("serve", "--config", str(config))
-    serve += ["--log-level", "warning"]
-    raw_server = raw_server_command(f"unix:{raw_sock}", limit)
-    logs = scratch / "daemon.log", scratch / "raw.log"
-    # Both children start before this process opens a channel: gRPC warns of forks after.
-    async with child(serve, logs[0]) as daemon, child(raw_server, logs[1]) as raw_server_proc:
-        await serving(daemon, f"unix:{sock}", logs[0])
-        await serving(raw_server_proc, f"unix:{raw_sock}", logs[1])
-        yield Servers(f"unix:{sock}", f"unix:{raw_sock}", limit)
+    raw_sock, raw_log = scratch / "raw.sock", scratch / "raw.log"
+    async with started_daemon(scratch, arena_bytes) as up:
+        limit = up.config.server.max_message_bytes
+        raw_server = raw_server_command(f"unix:{raw_sock}", limit)
+        # Both children start before this process opens a channel: gRPC warns of forks after.
+        async with child(raw_server, raw_log) as raw_server_proc:
+            await up.serving()
+            await serving(raw_server_proc, f"unix:{raw_sock}", raw_log)
+            yield Servers(up.address, f"unix:{raw_sock}", limit)
 
 
 async def bench_all(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[Latency]]:
@@ -452,10 +478,13 @@ async def bench_sizes(clients: Clients, counts: dict[int, int], rounds: int) -> 
     return rows
 
 
-def table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
-    """A markdown table with padded columns; numeric columns align right."""
+def table(
+    header: Sequence[str], body: Sequence[Sequence[str]], numeric: Collection[str] = ()
+) -> list[str]:
+    """A markdown table with padded columns; numeric columns (``NUMERIC`` and ``numeric``)
+    align right."""
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    right = [name in NUMERIC for name in header]
+    right = [name in NUMERIC or name in numeric for name in header]
     rule = ["-" * (w - 1) + (":" if r else "-") for w, r in zip(widths, right, strict=True)]
 
     def line(values: Sequence[str]) -> str:
