@@ -10,8 +10,8 @@ size ``N`` blocks of KV-like bytes (``torch.randn`` float16) are moved as one ke
 call:
 
 - shm (``AsyncKVStoreClient(use_shm=True)``, through an shm session): ``put`` (Reserve, copy
-  into the session's staging area, Commit: the daemon copies the blocks into the tenant's
-  arena and takes their xxh3-64), ``get`` into preallocated, pre-faulted ``out`` tensors
+  into the arena slots held for the session and sum each as it lands, Commit with the sums:
+  the daemon reads no byte), ``get`` into preallocated, pre-faulted ``out`` tensors
   (Acquire, copy out of the read-only arena, Release), the same ``get`` by a client made with
   ``verify=True`` (each block's xxh3-64 checked against the one recorded at commit), and
   ``view`` (Acquire, zero-copy views, Release; shown for information). Limit:

@@ -116,7 +116,7 @@ from .tiers import (
 )
 
 GIB = 1 << 30
-STAGING_BYTES = 256 * MIB  # every client's staging area: the client's default
+WINDOW_BYTES = 256 * MIB  # every client's shm window (bytes held reserved): the default
 TENANT = ""  # every namespace: none
 SEED = 1000  # writer i seeds torch with SEED + i: its own tokens, so its own keys
 SETTLE_SECONDS, IDLE_CPU = 0.1, 0.01  # the daemon has settled: below 1% CPU over 0.1 s
@@ -287,7 +287,7 @@ async def writer_jobs(conn: Connection) -> None:
         chain = Chain.random(model_for(size), count, tenant=TENANT)
         namespace, keys, blocks = chain.namespace, chain.keys, list(chain.blocks)
         pairs = list(zip(chain.regions, chain.blocks, strict=True))
-        async with AsyncKVStoreClient(address, timeout=60, staging_bytes=STAGING_BYTES) as client:
+        async with AsyncKVStoreClient(address, timeout=60, staging_bytes=WINDOW_BYTES) as client:
             expect(client.data_plane == "shm", f"writer on {client.data_plane}, not shm")
             await client.delete(namespace, keys)
             conn.send(("ready",))
@@ -470,7 +470,7 @@ async def bench_all(args: argparse.Namespace, scratch: Path) -> Report:
             rows: list[Checked] = []
             cpu: list[PutCpu] = []
             async with AsyncKVStoreClient(
-                up.address, timeout=60, staging_bytes=STAGING_BYTES
+                up.address, timeout=60, staging_bytes=WINDOW_BYTES
             ) as client:
                 expect(client.data_plane == "shm", "the client has no shm session")
                 for size in args.sizes:

@@ -353,38 +353,48 @@ async def put_shm(
     status per block of ``size`` bytes. Blocks on CUDA are copied out on ``stream``.
 
     The batches form a pipeline: while this process copies batch k into its arena slots
-    (one batch at a time, in order, on every copy lane), batch k - 1's Commit and the
-    Reserves of the batches after are in flight. A batch holds its share of the window from
-    its Reserve to its Commit's reply; batches take their shares in order, so no batch waits
-    for bytes a later batch of the same put holds. A put is cut into ``PIPELINE_BATCHES``
-    batches (of ``MIN_BATCH_BYTES`` to ``PIPELINE_BYTES``), so that a short one overlaps too.
+    (one batch at a time, in order, on every copy lane), batch k - 1's Commit and batch
+    k + 1's Reserve are in flight (each Reserve is sent once the one before was answered:
+    sent all at once, the daemon interleaved them and the first answer came last). A batch
+    holds its share of the window from its Reserve to its Commit's reply; batches take their
+    shares in order, so no batch waits for bytes a later batch of the same put holds. A put
+    is cut into about ``PIPELINE_BATCHES`` batches (of ``MIN_BATCH_BYTES`` to
+    ``PIPELINE_BYTES``), the first a quarter of the others, so that copying starts soon and
+    a short put overlaps too.
     """
     budget = session.budget
     slot = budget.slot_bytes(size)
     wanted = slot * len(specs) // PIPELINE_BATCHES
     most = budget.total // WINDOW_SHARE
     per_batch = max(1, min(PIPELINE_BYTES, max(MIN_BATCH_BYTES, wanted), most) // slot)
-    starts = range(0, len(specs), per_batch)
-    held = [asyncio.Event() for _ in starts]  # batch i holds its share of the window, or is over
-    copied = [asyncio.Event() for _ in starts]  # batch i is in the arena, or is over
+    parts = _batches(len(specs), per_batch)
+    answered = [asyncio.Event() for _ in parts]  # batch i's Reserve is answered, or it is over
+    copied = [asyncio.Event() for _ in parts]  # batch i is in the arena, or is over
 
-    async def batch(i: int, start: int) -> list[WriteStatus]:
-        part = slice(start, start + per_batch)
+    async def batch(i: int, part: slice) -> list[WriteStatus]:
         try:
             if i:
-                await held[i - 1].wait()
+                await answered[i - 1].wait()
             async with budget.hold(slot * len(specs[part])):
-                held[i].set()
                 return await _put_batch(
                     conn, session, digest, specs[part], blocks[part], size,
-                    after=copied[i - 1] if i else None, copied=copied[i], stream=stream,
+                    after=copied[i - 1] if i else None, copied=copied[i],
+                    answered=answered[i], stream=stream,
                 )  # fmt: skip
         finally:
-            held[i].set()
+            answered[i].set()
             copied[i].set()
 
-    done = await asyncio.gather(*(batch(i, start) for i, start in enumerate(starts)))
+    done = await asyncio.gather(*(batch(i, part) for i, part in enumerate(parts)))
     return [status for statuses in done for status in statuses]
+
+
+def _batches(count: int, per_batch: int) -> list[slice]:
+    """``count`` blocks in batches of ``per_batch``, the first a quarter of that: its Reserve
+    is answered, and its copy begun, sooner."""
+    first = max(1, per_batch // 4) if count > per_batch else count
+    starts = [0, *range(first, count, per_batch)]
+    return [slice(start, start + (first if not i else per_batch)) for i, start in enumerate(starts)]
 
 
 async def _put_batch(
@@ -397,10 +407,13 @@ async def _put_batch(
     *,
     after: asyncio.Event | None = None,
     copied: asyncio.Event | None = None,
+    answered: asyncio.Event | None = None,
     stream: torch.cuda.Stream | None = None,
 ) -> list[WriteStatus]:
-    """One batch: Reserve; once ``after`` is set (the batch before is copied), the copy into
-    its arena slots, then ``copied`` is set; Commit with the sums taken as it landed."""
+    """One batch: Reserve (``answered`` set on its reply: the next batch's Reserve goes then,
+    and the daemon reserves it while this one copies); once ``after`` is set (the batch
+    before is copied), the copy into its arena slots, then ``copied`` is set; Commit with the
+    sums taken as it landed."""
     request = pb.ReserveRequest(namespace=digest, blocks=specs, session=session.session_id)
 
     async def undo(reply: pb.ReserveResponse) -> None:
@@ -414,6 +427,8 @@ async def _put_batch(
     reply = await _session_call(
         "Reserve", conn.unary_undone_on_cancel("Reserve", request, pb.ReserveResponse, undo)
     )
+    if answered is not None:
+        answered.set()
     reserved, slots, statuses = wire.reservations(reply, len(specs), size, session.writer)
     if reserved:
         keys = [specs[index].key for index in reserved]

@@ -7,8 +7,8 @@ gather is queued on the engine's stream and the job carries the event recorded a
 order; it waits for a job's event, then, for a job on CUDA, runs the put on a stream of its
 own, so the device-to-host copy lands straight in the arena slots the daemon reserved (by DMA when
 the client registered its shm session with CUDA: ``pin_arena``) while the engine's stream
-goes on computing. No host bounce buffer: the bytes cross the link once, and the daemon's
-copy into its arena computes the checksum once. Queued CUDA jobs hold device memory, at most
+goes on computing. No host bounce buffer: the bytes cross the link once, into the arena,
+and the client sums them once there. Queued CUDA jobs hold device memory, at most
 ``capacity`` blocks of it.
 The queue holds at most ``capacity`` blocks: an offer that does not fit is refused at once
 (the connector counts the blocks as dropped) rather than waiting for room, so a slow or

@@ -229,7 +229,7 @@ async def test_shared_memory_write_and_read(kv: Daemon, address: str) -> None:
     session = await ShmSession.open(info.shm_socket, Hello("", "", 1 << 20))
     try:
         assert session.info.instance_id == info.instance_id
-        # Reserve -> write into the staging slots -> Commit (the daemon copies and checks).
+        # Reserve -> write the arena slots in place -> Commit (the daemon sums them in place).
         reserved = await stub.Reserve(
             pb.ReserveRequest(
                 namespace=ns, blocks=[b for b, _ in blocks], session=session.session_id
