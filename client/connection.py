@@ -217,8 +217,9 @@ class Connection:
     async def call(
         self, session: ShmSession | None, method: str, request: Message, reply_type: type[M]
     ) -> M:
-        """A read-path call, never retried: on ``session``'s socket when it carries calls,
-        else over gRPC. A connection that failed marks the daemon as possibly restarted."""
+        """A call of the shm data paths (:data:`~kvstore.wire.session.CALLS`), never retried:
+        on ``session``'s socket when it carries calls, else over gRPC. A connection that
+        failed marks the daemon as possibly restarted."""
         calls = None if session is None else session.calls
         if calls is None or not calls.open:
             return await self.unary(method, request, reply_type)
@@ -234,11 +235,12 @@ class Connection:
         request: object,
         reply_type: type[M],
         undo: Callable[[M], Awaitable[None]],
+        session: ShmSession | None = None,
     ) -> M:
-        """:meth:`unary` for a call that grants something (a lease, reservations): a caller
+        """:meth:`call` for a call that grants something (a lease, reservations): a caller
         cancelled meanwhile still waits for the reply and runs ``undo(reply)`` before the
         cancellation propagates, so nothing stays held until it expires."""
-        task = asyncio.ensure_future(self.unary(method, request, reply_type))
+        task = asyncio.ensure_future(self.call(session, method, request, reply_type))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:

@@ -424,9 +424,15 @@ async def _put_batch(
         ]
         await _abort(conn, session, digest, held)
 
-    reply = await _session_call(
-        "Reserve", conn.unary_undone_on_cancel("Reserve", request, pb.ReserveResponse, undo)
-    )
+    try:
+        reply = await _session_call(
+            "Reserve",
+            conn.unary_undone_on_cancel("Reserve", request, pb.ReserveResponse, undo, session),
+        )
+    except KVStoreError as error:  # a deadline, say: what it may have reserved is freed
+        if not isinstance(error, UnknownSessionError):  # else the daemon freed it all
+            await _abort(conn, session, digest, [spec.key for spec in specs])
+        raise
     if answered is not None:
         answered.set()
     reserved, slots, statuses = wire.reservations(reply, len(specs), size, session.writer)
@@ -450,7 +456,7 @@ async def _put_batch(
         )
         try:
             committed = await _session_call(
-                "Commit", conn.unary("Commit", commit, pb.CommitResponse)
+                "Commit", conn.call(session, "Commit", commit, pb.CommitResponse)
             )
         except BaseException:
             await _abort(conn, session, digest, keys)  # ignored for keys the commit did store
@@ -491,6 +497,6 @@ async def _session_call(method: str, call: Awaitable[M]) -> M:
 async def _abort(conn: Connection, session: ShmSession, digest: bytes, keys: list[bytes]) -> None:
     request = pb.AbortRequest(namespace=digest, keys=keys, session=session.session_id)
     try:
-        await conn.unary("Abort", request, pb.AbortResponse)
+        await conn.call(session, "Abort", request, pb.AbortResponse)
     except KVStoreError as error:  # the reservations expire, or end with the session
         log.warning("could not abort %d reservations: %s", len(keys), error)

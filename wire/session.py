@@ -20,9 +20,10 @@ gRPC cannot pass file descriptors, so the daemon also listens on a unix socket o
 
 3. the connection stays open: it *is* the session. When the client closes it (or dies), the
    daemon aborts the session's reservations and lets go of the slots it held.
-4. calls: a welcome with ``"calls": true`` also serves the read path's control calls on this
+4. calls: a welcome with ``"calls": true`` also serves the data paths' control calls on this
    connection, at a fraction of a gRPC call's cost (tens of microseconds, not hundreds):
-   ``CALLS`` (``Lookup``, ``Acquire``, ``Release``), their gRPC messages in frames. A request
+   ``CALLS`` (``Lookup``, ``Acquire``, ``Release``; ``Reserve``, ``Commit``, ``Abort``),
+   their gRPC messages in frames. A request
    is ``FRAME`` (body bytes, call id, method: its index in ``CALLS`` plus one) and the
    request message; a reply is ``FRAME`` (body bytes, the same call id, status: 0 for OK,
    else a gRPC status code's number) and the reply message, or the error's UTF-8 text.
@@ -68,7 +69,8 @@ __all__ = [
 VERSION = 1
 MAX_LINE_BYTES = 64 * 1024
 SUFFIX = ".shm"
-CALLS = ("Lookup", "Acquire", "Release")  # on the wire: index + 1
+# On the wire: index + 1 (a method is only ever appended: the numbers stay).
+CALLS = ("Lookup", "Acquire", "Release", "Reserve", "Commit", "Abort")
 FRAME = struct.Struct("<IIB")  # body bytes, call id, method (request) or status (reply)
 MAX_FRAME_BYTES = 16 << 20  # a Lookup of the most keys a call takes is ~2.3 MiB
 

@@ -260,19 +260,19 @@ async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
         assert session is not None
         copied: list[int] = []
         in_flight = most = 0
-        write, unary = session.writer.write, client._conn.unary
+        write, call = session.writer.write, client._conn.call
 
         async def spy_copy(slots, sources, stream=None):  # type: ignore[no-untyped-def]
             copied.extend(blocks.index(source) for source in sources)
             return await write(slots, sources, stream)
 
-        async def spy_unary(method, request, reply):  # type: ignore[no-untyped-def]
+        async def spy_call(on, method, request, reply):  # type: ignore[no-untyped-def]
             nonlocal in_flight, most
             in_flight += method == "Reserve"
             most = max(most, in_flight)
             answer = None
             try:
-                answer = await unary(method, request, reply)
+                answer = await call(on, method, request, reply)
                 return answer
             finally:
                 nothing_reserved = method == "Reserve" and not any(
@@ -281,7 +281,7 @@ async def test_a_long_put_runs_as_a_pipeline_of_batches_copied_in_order(
                 in_flight -= method == "Commit" or nothing_reserved
 
         monkeypatch.setattr(session.writer, "write", spy_copy)
-        monkeypatch.setattr(client._conn, "unary", spy_unary)
+        monkeypatch.setattr(client._conn, "call", spy_call)
         statuses = await client.put(namespace, keys, blocks)
 
         assert (
