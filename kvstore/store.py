@@ -477,29 +477,6 @@ class BlockStore:
         _check_meta(key, parent, meta)
         return await self.writes.reserve(key, parent, meta, ttl, owner)
 
-    def reserve_now(
-        self,
-        key: bytes,
-        parent: bytes,
-        meta: BlockMeta,
-        ttl: float | None = None,
-        *,
-        owner: object = None,
-    ) -> Reserved | None:
-        """:meth:`reserve` when it needs no await (the arena has room, or the key is held);
-        ``None`` when it must evict first, having changed nothing.
-
-        Raises:
-            InvalidBlockError, NoArenaError: as :meth:`reserve`.
-        """
-        self._check_arena()
-        _check_meta(key, parent, meta)
-        return self.writes.reserve_now(key, parent, meta, ttl, owner)
-
-    def reserved(self, key: bytes, namespace: bytes, owner: object = None) -> Slot | None:
-        """The slot of ``owner``'s live reservation of ``key``, or None."""
-        return self.writes.reserved(key, namespace, owner)
-
     def reserved_view(self, slot: Slot) -> memoryview:
         """A writable view of a reserved slot."""
         self._check_arena()

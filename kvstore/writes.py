@@ -230,11 +230,6 @@ class WritePath:
             if not await self._placement.evict_one(self._top):
                 return None
 
-    def reserved(self, key: bytes, namespace: bytes, owner: object) -> Slot | None:
-        """The slot of ``owner``'s live reservation of ``key``, or None."""
-        entry = self._reservations.get(block_id(key, namespace))
-        return entry.slot if entry is not None and entry.owner == owner else None
-
     def hold(self, slot: Slot) -> None:
         """Keeps a reserved slot's range for a client that writes it in place, until
         :meth:`let_go`: its reservation may end first (committed, aborted or expired), and its

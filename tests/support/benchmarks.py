@@ -16,8 +16,14 @@ from types import ModuleType
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def benchmark(name: str) -> ModuleType:
-    """``benchmarks.<name>``, imported as a module of the package."""
+def root_on_path() -> None:
+    """Appends the checkout root to ``sys.path`` (last), once: for ``benchmarks``, and for
+    spawned children that unpickle a function of a test module (``tests....``)."""
     if ROOT not in sys.path:
         sys.path.append(ROOT)
+
+
+def benchmark(name: str) -> ModuleType:
+    """``benchmarks.<name>``, imported as a module of the package."""
+    root_on_path()
     return importlib.import_module(f"benchmarks.{name}")
