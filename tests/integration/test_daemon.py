@@ -24,6 +24,7 @@ import pytest
 from kvstore.client import (
     ROOT_KEY,
     AsyncKVStoreClient,
+    CorruptBlockError,
     InvalidArgumentError,
     KVStoreClient,
     PermissionDeniedError,
@@ -101,6 +102,32 @@ def test_killed_client_leases_and_reservations_expire(tmp_path: Path) -> None:
             assert [bytes(b) for b in client.get(NAMESPACE, keys[:2])] == [
                 payload(k) for k in keys[:2]
             ]
+
+
+def test_a_block_written_again_after_its_commit_is_never_served(tmp_path: Path) -> None:
+    """A put writes its tenant's arena in place, through a writable mapping the kernel cannot
+    limit to the slots reserved: a process of that tenant can write a block again after its
+    commit. The checksum its writer took as it wrote catches it: a client made with
+    ``verify=True`` finds the block corrupt, and the daemon, flushing it to SSD, counts it and
+    drops it. A miss from then on, never data."""
+    with running_daemon(tmp_path, settings={"ssd": {"write_policy": "write_back"}}) as daemon:
+        keys = block_keys(own_tokens("rewritten", 4), NAMESPACE)  # 12 blocks
+        with KVStoreClient(daemon.address) as writer:
+            stored = writer.put(NAMESPACE, keys, [payload(k) for k in keys])
+            assert stored == [WriteStatus.STORED] * len(keys)
+            session = writer._client._conn.sessions[NAMESPACE.tenant]
+            session.writer._open_bytes()[:] = 0x5A  # every byte of the tenant's arena
+            with (
+                KVStoreClient(daemon.address, verify=True) as checker,
+                pytest.raises(CorruptBlockError, match="does not match its checksum"),
+            ):
+                checker.get(NAMESPACE, keys)
+            with grpc.insecure_channel(daemon.address) as channel:
+                kvstore_pb2_grpc.KVStoreStub(channel).Flush(pb.FlushRequest())
+            stats = writer.stats()
+            assert stats.corrupt_blocks == len(keys), stats
+            assert writer.lookup(NAMESPACE, keys) == 0
+            assert writer.get(NAMESPACE, keys) == []
 
 
 def test_sigterm_flushes_write_back_blocks_to_ssd(tmp_path: Path) -> None:
