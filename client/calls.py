@@ -1,7 +1,8 @@
 """Control calls on the shm session's own sockets: the read path at socket speed.
 
-A daemon whose session welcome says ``calls`` answers the read path's calls
-(:data:`~kvstore.wire.session.CALLS`: ``Lookup``, ``Acquire``, ``Release``) on the session's
+A daemon whose session welcome says ``calls`` answers the shm data paths' calls
+(:data:`~kvstore.wire.session.CALLS`: ``Lookup``, ``Acquire``, ``Release``; ``Reserve``,
+``Commit``, ``Abort``) on the session's
 connection, the same messages and statuses as over gRPC in small frames
 (:mod:`kvstore.wire.session`). A round trip there costs tens of microseconds against several
 hundred for a gRPC call, and a store hit is one such call: this is where its fixed cost goes.

@@ -80,9 +80,10 @@ class AsyncKVStoreClient:
             arena (``host.capacity``) in memory, and is only right when the daemon's host tier
             holds this one tenant: a byte range that passes to another tenant's arena is given
             back by the daemon, and a registration keeps reading the pages it had.
-        session_calls: Make the read path's calls (Lookup, Acquire, Release) on the shm
-            session's own socket when the daemon serves them there (a round trip of tens of
-            microseconds); ``False`` makes them over gRPC (as remote clients do).
+        session_calls: Make the shm data paths' calls (Lookup, Acquire, Release; Reserve,
+            Commit, Abort) on the shm session's own socket when the daemon serves them there
+            (a round trip of tens of microseconds); ``False`` makes them over gRPC (as remote
+            clients do).
 
     Raises:
         ValueError: A malformed address, a timeout <= 0 or retries < 0.

@@ -16,8 +16,8 @@
    from an arena the daemon no longer owns.
 5. ``release_soon(lease_id)``: ends a lease in the background, whatever happens to the
    caller; ``aclose`` waits for those releases.
-6. ``call(session, method, ...)``: the read path's calls (Lookup with a lease, Acquire,
-   Release) on the session's own socket when the daemon serves them there
+6. ``call(session, method, ...)``: the shm data paths' calls (Lookup with a lease, Acquire,
+   Release; Reserve, Commit, Abort) on the session's own socket when the daemon serves them there
    (:mod:`kvstore.client.calls`: a round trip of tens of microseconds), else over gRPC.
 """
 
