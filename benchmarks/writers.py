@@ -8,7 +8,7 @@ Starts a real daemon as ``benchmarks.daemon`` does (``started_daemon``: ``kvstor
 ``daemon_config``, a host tier only, a unix socket in a temporary directory) and
 ``max(--writers)`` writer processes (``multiprocessing``, spawn), both before this process
 opens a channel. Every client is the public ``AsyncKVStoreClient(address, timeout=60,
-staging_bytes=256 MiB)`` (the client's default staging) on the shm data plane, in a namespace
+staging_bytes=256 MiB)`` (the default window) on the shm data plane, in a namespace
 without a tenant (one arena). Three measurements, each beside a limit measured in the same run:
 
 1. put and get, per block size: ``--total`` bytes of KV-like blocks (``torch.randn`` float16)
