@@ -104,6 +104,59 @@ def test_killed_client_leases_and_reservations_expire(tmp_path: Path) -> None:
             ]
 
 
+def test_a_hung_writer_holds_no_more_than_its_window_and_its_late_writes_land_nowhere(
+    tmp_path: Path,
+) -> None:
+    """A writer SIGSTOPped with its window full of reserved slots (a hung peer): its Reserve
+    got no more than ``server.max_staging_bytes``; its reservations expire; another client's
+    puts turn a tiny arena over and over around the held slots; the writer, continued, writes
+    every byte of its slots and commits: EXPIRED, and not a byte of another block changed."""
+    window_blocks, capacity_blocks = 4, 16
+    settings = {
+        "host": {"capacity": f"{capacity_blocks * BLOCK // 1024}KiB"},
+        "server": {"lease_ttl": "1s", "max_staging_bytes": f"{window_blocks * BLOCK // 1024}KiB"},
+    }
+    with running_daemon(tmp_path, settings=settings) as daemon:
+        stalled = subprocess.Popen(
+            [sys.executable, "-P", str(WORKER), "stall", daemon.address, "6"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert stalled.stdin is not None and stalled.stdout is not None
+        try:
+            report = json.loads(stalled.stdout.readline())
+            assert report["reserved"] == ["RESERVED"] * window_blocks + ["NO_SPACE"] * 2
+            stalled.send_signal(signal.SIGSTOP)
+            keys = block_keys(own_tokens("busy", 3 * capacity_blocks), NAMESPACE)
+            with KVStoreClient(daemon.address) as busy:
+                wait_for(lambda: busy.stats().expired_reservations == window_blocks, timeout=60)
+                for start in range(0, len(keys), 4):  # 60 blocks through 12 free slots
+                    part = keys[start : start + 4]
+                    stored = busy.put(NAMESPACE, part, [payload(k) for k in part])
+                    assert WriteStatus.NO_SPACE not in stored, stored
+
+                def still_exact() -> int:
+                    held = 0
+                    for key in keys:
+                        found = busy.get(NAMESPACE, [key])  # a chain's get stops at a miss
+                        if found:
+                            assert bytes(found[0]) == payload(key)
+                            held += 1
+                    return held
+
+                before = still_exact()
+                assert before > 0
+                stalled.send_signal(signal.SIGCONT)
+                stalled.stdin.write("go\n")
+                stalled.stdin.flush()
+                late = json.loads(stalled.stdout.readline())
+                assert late["committed"] == ["EXPIRED"] * window_blocks
+                assert still_exact() == before  # the late bytes landed in none of them
+        finally:
+            stalled.send_signal(signal.SIGCONT)
+            stalled.kill()
+            stalled.wait(10)
+
+
 def test_a_block_written_again_after_its_commit_is_never_served(tmp_path: Path) -> None:
     """A put writes its tenant's arena in place, through a writable mapping the kernel cannot
     limit to the slots reserved: a process of that tenant can write a block again after its

@@ -8,6 +8,11 @@ Modes:
   session and half-writes one into its arena slot, in place, prints a report, then swaps its lease
   for one of ``SECONDS``, prints that lease's slots and sleeps, so a test can SIGKILL it
   while it holds all of that.
+- ``stall ADDRESS COUNT``: opens an shm session with the daemon's largest window, reserves
+  ``COUNT`` blocks of its own in one Reserve and prints their statuses; then waits for a line
+  on stdin (a test SIGSTOPs it meanwhile: a hung writer), writes every byte of each slot it
+  was given (late: its reservations have expired), commits them and prints what the Commit
+  answered.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 
 import grpc
 
-from kvstore.client import KVStoreClient, ModelFingerprint, Namespace, block_keys
+from kvstore.client import ROOT_KEY, KVStoreClient, ModelFingerprint, Namespace, block_keys
 from kvstore.client.shm import ShmSession
 from kvstore.client.wire import block_specs, fingerprint_message
 from kvstore.protos.kvstore.v1 import kvstore_pb2 as pb
@@ -95,11 +100,37 @@ def hold(address: str, lease_s: float) -> None:
     time.sleep(3600)
 
 
+def stall(address: str, count: int) -> None:
+    keys = block_keys(own_tokens("stalled", count), NAMESPACE)[8:]
+    channel = grpc.insecure_channel(address)
+    stub = kvstore_pb2_grpc.KVStoreStub(channel)
+    info = stub.Handshake(pb.HandshakeRequest())
+    ns = stub.RegisterNamespace(
+        pb.RegisterNamespaceRequest(model=fingerprint_message(MODEL), tenant="tests")
+    ).namespace
+    session = ShmSession._open_blocking(info.shm_socket, Hello("", "tests", 0))
+    specs = block_specs(keys, ROOT_KEY, MODEL.block_tokens)
+    reply = stub.Reserve(pb.ReserveRequest(namespace=ns, blocks=specs, session=session.session_id))
+    statuses = [pb.WriteStatus.Name(r.status) for r in reply.reservations]
+    print(json.dumps({"reserved": statuses}), flush=True)
+    sys.stdin.readline()  # stopped here, then continued
+    held = [(spec.key, r.slot) for spec, r in zip(specs, reply.reservations, strict=True)
+            if r.status == pb.RESERVED]  # fmt: skip
+    for _, slot in held:
+        session.writer.tensor(slot.offset, slot.length).numpy()[:] = 0xEE
+    commit = stub.Commit(
+        pb.CommitRequest(namespace=ns, keys=[key for key, _ in held], session=session.session_id)
+    )
+    print(json.dumps({"committed": [pb.WriteStatus.Name(s) for s in commit.statuses]}), flush=True)
+
+
 if __name__ == "__main__":
     mode, address = sys.argv[1], sys.argv[2]
     if mode == "roundtrip":
         print(json.dumps(roundtrip(address, sys.argv[3], sys.argv[4] == "shm")), flush=True)
     elif mode == "hold":
         hold(address, float(sys.argv[3]))
+    elif mode == "stall":
+        stall(address, int(sys.argv[3]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
