@@ -22,26 +22,29 @@
 #      against a copy_ of its bytes and a Health round trip (bench-hit.json);
 #   2. kvstore bench gpu --model 1b: TTFT of a store hit and a miss against recomputing (prompts
 #      2K-32K), load and save rates against the host link's (bench-gpu-1b.json);
-#   3. pytest -m gpu: the kernels at Llama-3-8B-like sizes against their torch references,
+#   3. python -m benchmarks.writers: saves on a machine with cores to spare (the 2-core VM
+#      shares two vCPUs between the copy, its checksum and the daemon): put and get against
+#      copy_, the daemon's CPU per GiB put, 1/2/4 writer processes (writers.json);
+#   4. pytest -m gpu: the kernels at Llama-3-8B-like sizes against their torch references,
 #      the client's CUDA tensors and pinned arena, and the vLLM connector's worker on CUDA
 #      tensors in the packed and split (NHD, HND) layouts against a real daemon;
-#   4. python -m benchmarks.kernels --device cuda: kernel throughput against copy_ and SDPA,
+#   5. python -m benchmarks.kernels --device cuda: kernel throughput against copy_ and SDPA,
 #      and the tuners' picks per shape (kernels.json, "chosen");
-#   5. kvstore bench chat --device cuda --preset quick --workloads sharegpt --no-sweep, with
+#   6. kvstore bench chat --device cuda --preset quick --workloads sharegpt --no-sweep, with
 #      the HBM level: the engine's pool keeping none, one or all sessions' pages against host
 #      loads (chat-hbm/chat.json, "hbm"; turns whose tokens differ from recompute's on the
 #      device are counted in its "about", not fatal). Kernel tuning is off there
 #      (KVSTORE_KERNEL_TUNING=0): each new shape of its turns would otherwise compile and time
 #      every candidate inside a timed turn;
-#   6. kvstore bench gpu --model 8b, then 1b with 16-token blocks (prompts 2K, 8K);
-#   7. the layout unit tests again, on CUDA tensors (KVSTORE_TEST_DEVICE=cuda).
+#   7. kvstore bench gpu --model 8b, then 1b with 16-token blocks (prompts 2K, 8K);
+#   8. the layout unit tests again, on CUDA tensors (KVSTORE_TEST_DEVICE=cuda).
 #
 # Budget: 9 minutes on one H200 (GPU_CHECK_BUDGET_S, default 540, counted from the start):
 # each step has a timeout of its cap or of what is left, whichever is less, and a step with
 # under 30 s left is not started; a failed step does not stop the others, and the exit status
 # says whether any failed or was cut. Caps, and expected times (the 2026-12-04 run: setup
 # ~10 s, pytest -m gpu 65 s; the rest estimated): bench hit 120 s (~45), bench gpu 1b 180
-# (~75), pytest -m gpu 180 (~70), kernels 120 (~45), bench chat 150 (~90), bench gpu 8b 180
+# (~75), writers 90 (~30), pytest -m gpu 180 (~70), kernels 120 (~45), bench chat 150 (~90), bench gpu 8b 180
 # (~90), 1b with 16-token blocks 120 (~45), layout 60 (~15); OUT/steps.txt records each
 # step's exit status and seconds, for the next budget.
 # GPU_CHECK_ALLOW_CPU=1 runs the same plumbing without CUDA on toy sizes (the gpu tests then
@@ -129,18 +132,23 @@ if [ "$DEVICE" = cuda ]; then
     hit=(--device cuda)  # 256, 2K and 8K tokens; 20 cold hits, 40 warm; 1 and 4 at once
     gpu=1b gpu_args=(--model 1b)
     kernels=(--device cuda)
+    writers=()  # 512 KiB and 8 MiB blocks, 256 MiB each; 1, 2 and 4 writers
     chat=quick
 else
     hit=(--device cpu --tokens 256 --cold 3 --hits 3 --concurrent 1)
     gpu=test gpu_args=(--model test --dtype float32 --prompts 64,128 --block-tokens 16
         --page-tokens 16 --repeats 1)
     kernels=(--device cpu --size small --repeats 1)
+    writers=(--sizes 64KiB --total 1MiB --writers 1,2 --writer-bytes 1MiB --writer-block 64KiB
+        --rounds 1)
     chat=smoke
 fi
 
 step bench-hit 120 "$PY" -P -m kvstore bench hit "${hit[@]}" --json "$OUT/bench-hit.json"
 step "bench-gpu-$gpu" 180 "$PY" -P -m kvstore bench gpu "${gpu_args[@]}" \
     --json "$OUT/bench-gpu-$gpu.json"
+step writers 90 "$PY" -P -m benchmarks.writers ${writers[@]+"${writers[@]}"} \
+    --json "$OUT/writers.json"
 step gpu-tests 180 "$PY" -P -m pytest -p no:cacheprovider -m gpu -rs -q tests
 step kernels 120 "$PY" -P -m benchmarks.kernels "${kernels[@]}" --json "$OUT/kernels.json"
 step chat-hbm 150 env KVSTORE_KERNEL_TUNING=0 "$PY" -P -m kvstore bench chat --device "$DEVICE" \

@@ -75,7 +75,8 @@ def test_it_runs_from_the_checkout_root_on_the_link_tree(dry_run: DryRun) -> Non
     bench = json.loads((dry_run.out / "bench-gpu-test.json").read_text())
     assert [row["same_tokens"] for row in bench["rows"]] == [True, True]
     steps = (dry_run.out / "steps.txt").read_text().splitlines()[2:]
-    names = ["bench-hit", "bench-gpu-test", "gpu-tests", "kernels", "chat-hbm", "layout-cpu"]
+    names = ["bench-hit", "bench-gpu-test", "writers", "gpu-tests", "kernels", "chat-hbm",
+             "layout-cpu"]  # fmt: skip
     assert [line.split(" | ")[0].lstrip("| ") for line in steps] == names
     assert all(line.split(" | ")[1] == "0" for line in steps), steps
 
@@ -106,6 +107,15 @@ def test_it_records_the_kernels_with_the_tuners_picks(dry_run: DryRun) -> None:
     assert set(kernels["chosen"]) == tuners
     assert len(kernels["rows"]) == 4
     assert all(row["ratio"] > 0 and row["limit_seconds"] > 0 for row in kernels["rows"])
+
+
+def test_it_records_saves_and_many_writers(dry_run: DryRun) -> None:
+    assert dry_run.done.returncode == 0
+    writers = json.loads((dry_run.out / "writers.json").read_text())
+    assert [row["op"] for row in writers["rows"]] == ["put", "get"]
+    assert all(row["verified_blocks"] > 0 for row in writers["rows"])
+    assert all(row["daemon_cpu_s_per_gib"] > 0 for row in writers["put_cpu"])
+    assert [row["writers"] for row in writers["writers"]] == [1, 2]
 
 
 def test_it_records_the_hbm_level_against_host_loads(dry_run: DryRun) -> None:
