@@ -68,7 +68,12 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvstore.wire.threads import COPY_THREAD_BYTES, pread_exactly, run_to_completion
+from kvstore.wire.threads import (
+    COPY_THREAD_BYTES,
+    copy_and_sum_at,
+    pread_exactly,
+    run_to_completion,
+)
 
 from . import collector
 from .allocator import ArenaAllocator, Slot
@@ -839,18 +844,12 @@ class HostTier:
                 self._idle.set()
 
 
-HASHED_CHUNK_BYTES = 256 * 1024  # copied, then hashed while in cache (best of 256 KiB-2 MiB)
-
-
 def _copy_hashed(source: npt.NDArray[np.uint8]) -> tuple[memoryview, int]:
-    """A copy of ``source`` in a new buffer, and its xxh3-64 (runs without the GIL)."""
+    """A copy of ``source`` in a new buffer, and its xxh3-64, taken as it lands
+    (:func:`~kvstore.wire.threads.copy_and_sum_at`; runs without the GIL)."""
     copy = np.empty(source.nbytes, dtype=np.uint8)
-    digest = xxhash.xxh3_64()
-    for start in range(0, source.nbytes, HASHED_CHUNK_BYTES):
-        chunk = copy[start : start + HASHED_CHUNK_BYTES]
-        np.copyto(chunk, source[start : start + HASHED_CHUNK_BYTES])
-        digest.update(chunk.data)
-    return copy.data.toreadonly(), digest.intdigest()
+    digest = copy_and_sum_at(source.ctypes.data, copy.ctypes.data, source.nbytes)
+    return copy.data.toreadonly(), digest
 
 
 def _byte_view(data: Buffer) -> memoryview:

@@ -17,8 +17,9 @@
   memory alive and mapped until it returns;
 - ``copy_and_sum_spans(spans)`` copies each span as ``copy_spans`` does and returns the
   xxh3-64 of what landed in each, taken as it lands (``copy_and_sum_at``: a cache-sized
-  piece copied, then summed while it is still in cache; 0.8x of a plain copy where a copy
-  and then a sum of the same bytes make two passes over memory), whole spans on each lane.
+  piece copied, then summed while it is still in cache, where a copy and then a sum of the
+  same bytes make two passes over memory), whole spans on each lane. The host tier's
+  hashed reads and the daemon's copies into the arena use ``copy_and_sum_at`` too.
 
 Shared by the host tier and the client's shared-memory mappings.
 """
@@ -63,7 +64,9 @@ LANE_BYTES = 2 << 20  # the least share of a copy worth a thread of its own
 # inline and 0.2-0.6x in a thread (benchmarks/tiers.py, same run).
 THREAD_BYTES = 1 << 20
 COPY_THREAD_BYTES = 4 << 20
-SUM_CHUNK_BYTES = 256 << 10  # copied, then summed while still in cache
+# Copied, then summed while still in cache: 512 KiB ran 6.4-7.2 GB/s on two lanes here,
+# 256 KiB 4.9-6.2, 1-2 MiB no better (256 MiB from memory to memory, 2026-12-07).
+SUM_CHUNK_BYTES = 512 << 10
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
 
 

@@ -23,7 +23,6 @@ import xxhash
 from kvstore.tiers import BlobTooLargeError, InvalidRangeError, TierClosedError
 from kvstore.tiers import host as host_module
 from kvstore.tiers.host import (
-    HASHED_CHUNK_BYTES,
     HostTier,
     InvalidBufferError,
     InvalidSlotError,
@@ -32,7 +31,7 @@ from kvstore.tiers.host import (
     Slot,
     SlotExistsError,
 )
-from kvstore.wire.threads import COPY_THREAD_BYTES
+from kvstore.wire.threads import COPY_THREAD_BYTES, SUM_CHUNK_BYTES
 from tests.support.prefault import StalledPrefault
 
 PAGE = 4096
@@ -396,7 +395,7 @@ async def test_delete_during_a_large_get_keeps_its_bytes(tmp_path: Path) -> None
         assert await host.get(b"b") == second
 
 
-@pytest.mark.parametrize("length", [0, 100, HASHED_CHUNK_BYTES + 1, 5 * MIB + 3])
+@pytest.mark.parametrize("length", [0, 100, SUM_CHUNK_BYTES + 1, 5 * MIB + 3])
 async def test_get_hashed_copies_and_hashes_in_one_pass(tier: HostTier, length: int) -> None:
     blob = random.Random(length).randbytes(length)
     assert await tier.get_hashed(b"k") is None
