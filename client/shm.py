@@ -249,6 +249,7 @@ class _Mapping:
         base, size = self._address, self.size
         spans: list[Span] = []  # (source, target, length) addresses
         hosted: list[int] = []  # the index of each span's slot
+        on_device_at: list[int] = []  # the index of each device tensor's slot
         buffers: list[object] = []  # what the spans point into, alive until the copy ends
         on_device: list[tuple[torch.Tensor, torch.Tensor]] = []  # (src, dst)
         for index, ((offset, length), item) in enumerate(zip(slots, data, strict=True)):
@@ -259,6 +260,7 @@ class _Mapping:
                 flat = cast("torch.Tensor", as_bytes(item))
                 there = self.tensor(offset, length)
                 on_device.append((flat, there) if into_slots else (there, flat))
+                on_device_at.append(index)
                 continue
             address, nbytes, owner = host
             if nbytes != length:
@@ -280,10 +282,9 @@ class _Mapping:
                 from kvstore.client import tensors
 
                 tensors.copy_all(on_device, pinned=pinned, stream=stream)
-                if sums:  # from the host memory the device's copies landed in
-                    for index, (offset, length) in enumerate(slots):
-                        if index not in hosted:
-                            found[index] = payload_checksum(self.array(offset, length).data)
+                for index in on_device_at if sums else ():  # the host memory they landed in
+                    offset, length = slots[index]
+                    found[index] = payload_checksum(self.array(offset, length).data)
             return found
 
         if sum(length for _, length in slots) < THREAD_BYTES:

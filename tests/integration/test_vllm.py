@@ -40,13 +40,9 @@ from kvstore.inference_adapter.weights import namespace_for
 from kvstore.launch import module_command
 from tests.support.daemon import Daemon
 from tests.support.files import fetched
+from tests.support.vllm_env import require_vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("KVSTORE_VLLM_PYTHON", ROOT / "build/vllm-venv/bin/python"))
-if not VLLM_PYTHON.exists():
-    if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {VLLM_PYTHON} does not exist")
-    pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-venv)", allow_module_level=True)
+VLLM_PYTHON = require_vllm(module_level=True)
 
 pytestmark = pytest.mark.timeout(600)
 

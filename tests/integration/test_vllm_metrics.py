@@ -7,18 +7,11 @@ block counts, reduced to medians for vLLM's log line, and recorded in
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
-import pytest
+from tests.support.vllm_env import require_vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("KVSTORE_VLLM_PYTHON", ROOT / "build/vllm-venv/bin/python"))
-if not VLLM_PYTHON.exists():
-    if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {VLLM_PYTHON} does not exist")
-    pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-venv)", allow_module_level=True)
+VLLM_PYTHON = require_vllm(module_level=True)
 
 PROBE = """
 import json

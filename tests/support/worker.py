@@ -64,17 +64,22 @@ def roundtrip(address: str, name: str, use_shm: bool) -> dict[str, object]:
     }
 
 
+def raw_calls(address: str) -> tuple[kvstore_pb2_grpc.KVStoreStub, pb.HandshakeResponse, bytes]:
+    """A stub on a channel of its own, the daemon's handshake, and NAMESPACE's digest."""
+    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(address))
+    info = stub.Handshake(pb.HandshakeRequest())
+    ns = stub.RegisterNamespace(
+        pb.RegisterNamespaceRequest(model=fingerprint_message(MODEL), tenant="tests")
+    ).namespace
+    return stub, info, ns
+
+
 def hold(address: str, lease_s: float) -> None:
     keys = block_keys(own_tokens("holder", 4), NAMESPACE)[8:]  # 4 blocks after the shared ones
     with KVStoreClient(address) as client:
         parent = block_keys(SHARED_TOKENS, NAMESPACE)[-1]
         client.put(NAMESPACE, keys[:2], [payload(k) for k in keys[:2]], parent=parent)
-    channel = grpc.insecure_channel(address)
-    stub = kvstore_pb2_grpc.KVStoreStub(channel)
-    info = stub.Handshake(pb.HandshakeRequest())
-    ns = stub.RegisterNamespace(
-        pb.RegisterNamespaceRequest(model=fingerprint_message(MODEL), tenant="tests")
-    ).namespace
+    stub, info, ns = raw_calls(address)
     acquired = stub.Acquire(pb.AcquireRequest(namespace=ns, keys=keys[:2]))
     session = ShmSession._open_blocking(info.shm_socket, Hello("", "tests", 1 << 20))
     specs = block_specs(keys[2:], keys[1], MODEL.block_tokens)
@@ -102,12 +107,7 @@ def hold(address: str, lease_s: float) -> None:
 
 def stall(address: str, count: int) -> None:
     keys = block_keys(own_tokens("stalled", count), NAMESPACE)[8:]
-    channel = grpc.insecure_channel(address)
-    stub = kvstore_pb2_grpc.KVStoreStub(channel)
-    info = stub.Handshake(pb.HandshakeRequest())
-    ns = stub.RegisterNamespace(
-        pb.RegisterNamespaceRequest(model=fingerprint_message(MODEL), tenant="tests")
-    ).namespace
+    stub, info, ns = raw_calls(address)
     session = ShmSession._open_blocking(info.shm_socket, Hello("", "tests", 0))
     specs = block_specs(keys, ROOT_KEY, MODEL.block_tokens)
     reply = stub.Reserve(pb.ReserveRequest(namespace=ns, blocks=specs, session=session.session_id))

@@ -9,16 +9,13 @@ kvstore side loads here in every environment.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.support.vllm_env import require_vllm
 
 ROOT = Path(__file__).resolve().parents[3]
-# A relative path (make test passes one) is the checkout's; not resolved: a venv's python is a link.
-VLLM_PYTHON = ROOT / os.environ.get("KVSTORE_VLLM_PYTHON", "build/vllm-venv/bin/python")
 
 # Our modules a vLLM server never runs: the demo engine and its model, chat, pages and
 # connector, the GGUF and tokenizer readers, and every kernel but the KV transfer and RoPE.
@@ -70,14 +67,11 @@ def test_the_connectors_kvstore_side_loads_no_engine_model_or_kernel_it_does_not
 
 
 def test_the_connector_as_vllm_loads_it_loads_no_engine_model_or_kernel_it_does_not_use() -> None:
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
-            raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {VLLM_PYTHON} does not exist")
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-venv)")
+    vllm_python = require_vllm()
     # As vLLM does: the module path named in the config, then the class by name.
     code = ("import importlib\n"
             "module = importlib.import_module('kvstore.inference_adapter.vllm')\n"
             "module.KVStoreConnector")  # fmt: skip
-    modules = loaded(VLLM_PYTHON, code)
+    modules = loaded(vllm_python, code)
     assert "kvstore.inference_adapter.vllm.connector" in modules
     assert modules & UNUSED == set()
