@@ -469,7 +469,7 @@ class KVStoreService:
             if key in held
         ]
         try:
-            found = iter(await self._store.commit_many(writes))
+            found = iter(await self._store.commit(writes))
         finally:
             self._let_go(writer, namespace, list(held))
         return [next(found) if key in held else PutStatus.EXPIRED for key in keys]
@@ -532,14 +532,15 @@ class KVStoreService:
         """
         layout = self.layout_of(namespace, tenant=tenant)
         check_spec("block", spec, layout)
+        self._store.check_arena()
         meta = BlockMeta(namespace, spec.num_tokens, layout)
-        return await self._store.land(spec.key, spec.parent, meta)
+        return await self._store.writes.land(spec.key, spec.parent, meta)
 
     async def commit_landing(self, landing: Landing, checksum: int = 0) -> PutStatus:
         """Makes a block landed by the Put stream visible (or CHECKSUM_MISMATCH)."""
-        return await self._store.commit(
-            landing.key, landing.namespace, owner=landing.owner, checksum=checksum
-        )
+        write = Commit(landing.key, landing.namespace, landing.owner, checksum=checksum)
+        (status,) = await self._store.commit([write])
+        return status
 
     async def abort_landing(self, landing: Landing) -> None:
         """Frees a landing the Put stream did not finish."""

@@ -16,9 +16,10 @@ Primitives, in the order a request uses them (the service's calls):
    held blocks promoted into the host arena and leased), then ``release(lease_id)``; ``held``
    serves the Get stream from the same leases; ``get(key, namespace)`` -> :class:`Block` or
    ``None`` copies what the arena cannot take (no host tier, or no room);
-3. writes, :mod:`kvstore.writes`: ``reserve(key, parent, meta)`` -> :class:`Reserved`, then
-   ``commit``/``commit_many`` (copy in, checksum, visible, written through) or ``abort``;
-   ``land`` reserves for the Put stream, ``put`` is reserve + commit of a whole block;
+3. writes, :mod:`kvstore.writes`: the service reserves through ``writes`` itself
+   (``writes.reserve`` -> :class:`Reserved`, ``writes.land`` for the Put stream), then
+   ``commit([Commit, ...])`` here (run to its end, then the watermarks) or ``abort``;
+   ``put`` is reserve + commit of a whole block;
 4. ``prefetch(keys, namespace)``: a hinted session's blocks moved up into the arena;
 5. ``delete(key, namespace)``, ``flush()`` (write-back blocks to the tier below, for shutdown),
    ``stats()``, and ``maintain()`` (lease expiry, TTLs, watermarks; also run periodically);
@@ -28,6 +29,10 @@ Primitives, in the order a request uses them (the service's calls):
 ``pin(keys, namespace)`` (a lease without the arena) and ``get_layer(key, namespace, layer)``
 (one layer's raw bytes, read from whichever tier holds the block) serve no request today; the
 tests and the stress harness use them to hold blocks and to read lower tiers layer by layer.
+
+The store trusts its caller with the fields (32-byte keys, a payload of its layout's size):
+the service checks each once, at the edge (:mod:`kvstore.checks`). What only the store knows
+(a block too large for the top tier, a parent that would make a cycle) it checks itself.
 
 Every operation is scoped by a namespace: a block is indexed and stored under
 ``key || namespace``, so the same key in another namespace is another block (see
@@ -47,8 +52,8 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Sequence
-from typing import Self
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from typing import Any, Self
 
 from kvstore.budget import LoopBudget
 from kvstore.config import Config
@@ -60,7 +65,6 @@ from kvstore.reads import HeldBlock, ReadPath
 from kvstore.results import Acquired, Block, Lease, Reserved
 from kvstore.tasks import finish_anyway
 from kvstore.tiering import Placement, StoreTier, tiers_from_config
-from kvstore.tiers.allocator import Slot
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import ArenaHandle
 from kvstore.wire.blocks import KEY_BYTES
@@ -240,7 +244,6 @@ class BlockStore:
     async def get(self, key: bytes, namespace: bytes) -> Block | None:
         """A verified copy of a block, or ``None`` on a miss: see :meth:`ReadPath.get`."""
         self._check_open()
-        _check_key("key", key)
         return await self.reads.get(key, namespace)
 
     async def get_layer(self, key: bytes, namespace: bytes, layer: int) -> bytes | None:
@@ -259,19 +262,15 @@ class BlockStore:
         nonzero ``checksum`` (the writer's xxh3-64 of it), a payload that does not match is
         not stored: CHECKSUM_MISMATCH.
 
+        The fields are the caller's to check (the service does, at the edge); ``payload``
+        must be ``meta.layout.payload_bytes`` long.
+
         Raises:
-            InvalidBlockError: a key or parent that is not 32 bytes, a payload whose size
-                differs from ``meta.layout.payload_bytes``, or a block larger than the top
-                tier.
+            InvalidBlockError: a block larger than the top tier.
         """
         self._check_open()
-        _check_block(key, parent, meta, payload)
-        # Once started, a put ends consistently (stored and indexed, or discarded) even if
-        # its caller is cancelled: its tier writes run on as tasks of their own.
         work = self.writes.put(key, parent, meta, payload, checksum)
-        status = await finish_anyway(work, self._placement.pending)
-        if status is PutStatus.STORED:
-            await self.relieve_pressure()
+        (status,) = await self._finished(_listed(work))
         return status
 
     async def delete(self, key: bytes, namespace: bytes) -> int:
@@ -280,7 +279,6 @@ class BlockStore:
         Blocks under a lease are hidden at once and freed when the lease ends.
         """
         self._check_open()
-        _check_key("key", key)
         root = self.index.find(key, namespace)
         if root is None:
             return 0
@@ -422,7 +420,7 @@ class BlockStore:
             NoArenaError: the store has no host tier.
             InvalidRequestError: ``lease_id`` names a live lease of ``owner``.
         """
-        self._check_arena()
+        self.check_arena()
         return await self.reads.acquire(keys, namespace, ttl, owner=owner, lease_id=lease_id)
 
     async def lookup_and_lease(
@@ -441,7 +439,7 @@ class BlockStore:
             NoArenaError: the store has no host tier.
             InvalidRequestError: ``lease_id`` names a live lease of ``owner``.
         """
-        self._check_arena()
+        self.check_arena()
         return await self.reads.lookup_and_lease(
             keys, namespace, ttl, owner=owner, lease_id=lease_id
         )
@@ -454,65 +452,26 @@ class BlockStore:
         Raises:
             NoArenaError: the store has no host tier.
         """
-        self._check_arena()
+        self.check_arena()
         return self.reads.held(keys, namespace, block_bytes)
 
-    async def reserve(
-        self,
-        key: bytes,
-        parent: bytes,
-        meta: BlockMeta,
-        ttl: float | None = None,
-        *,
-        owner: object = None,
-    ) -> Reserved:
-        """Holds arena space for a block (RESERVED + slot), or DEDUP / NO_SPACE.
+    async def commit(self, writes: Sequence[Commit]) -> list[PutStatus]:
+        """Commits reservations made through :attr:`writes` (``WritePath.reserve`` or
+        ``land``): :meth:`kvstore.writes.WritePath.commit`, finished even when the caller is
+        cancelled, then the watermarks applied.
 
         Raises:
-            InvalidBlockError: malformed key, parent or meta, or a block larger than the
-                host tier.
             NoArenaError: the store has no host tier.
         """
-        self._check_arena()
-        _check_meta(key, parent, meta)
-        return await self.writes.reserve(key, parent, meta, ttl, owner)
+        self.check_arena()
+        return await self._finished(self.writes.commit(writes))
 
-    def reserved_view(self, slot: Slot) -> memoryview:
-        """A writable view of a reserved slot."""
-        self._check_arena()
-        return self.writes.view(slot)
-
-    async def land(self, key: bytes, parent: bytes, meta: BlockMeta) -> Landing | PutStatus:
-        """An arena slot for a block of the Put stream: :meth:`WritePath.land`.
-
-        Raises:
-            InvalidBlockError, NoArenaError: as :meth:`reserve`.
-        """
-        self._check_arena()
-        _check_meta(key, parent, meta)
-        return await self.writes.land(key, parent, meta)
-
-    async def commit(
-        self,
-        key: bytes,
-        namespace: bytes,
-        *,
-        owner: object = None,
-        source: Buffer | None = None,
-        checksum: int = 0,
-    ) -> PutStatus:
-        """Makes ``owner``'s reservation visible: STORED, EXPIRED without a live reservation,
-        CHECKSUM_MISMATCH when its bytes differ from ``checksum`` (see :meth:`commit_many`)."""
-        (status,) = await self.commit_many([Commit(key, namespace, owner, source, checksum)])
-        return status
-
-    async def commit_many(self, writes: Sequence[Commit]) -> list[PutStatus]:
-        """Commits several reservations; their bytes are copied and summed in one pass (see
-        :meth:`kvstore.writes.WritePath.commit`)."""
-        self._check_arena()
-        # The copies into the arena must end before the slots can be freed, whatever
-        # happens to the caller: the commit runs on as a task of its own.
-        statuses = await finish_anyway(self.writes.commit(writes), self._placement.pending)
+    async def _finished(self, work: Coroutine[Any, Any, list[PutStatus]]) -> list[PutStatus]:
+        """Runs a put or a commit to its end even when the caller is cancelled meanwhile (as a
+        task of its own: the copies into the arena end before a slot can be freed, and a
+        block ends stored and indexed or discarded); then, when it stored a block, applies
+        the watermarks."""
+        statuses = await finish_anyway(work, self._placement.pending)
         if PutStatus.STORED in statuses:
             await self.relieve_pressure()
         return statuses
@@ -522,7 +481,7 @@ class BlockStore:
     ) -> bool:
         """Frees ``owner``'s reservation; False when it holds none. ``abandoned``: its writer
         went away (counted with the reservations whose TTL ran out)."""
-        self._check_arena()
+        self.check_arena()
         freed = await self.writes.abort(key, namespace, owner)
         self._counts["expired_reservations"] += freed and abandoned
         return freed
@@ -537,7 +496,7 @@ class BlockStore:
         ``hint_rate`` of it per second) and makes room only by evicting blocks no hint
         protects: hints naming more than the tier holds stop short, never thrash it.
         """
-        self._check_arena()
+        self.check_arena()
         held = [node.id for node in self.index.match(keys, namespace)]
         self.policy.protect(held, time.monotonic() + self._hint_ttl)
         budget = self._hints.grant()
@@ -545,7 +504,8 @@ class BlockStore:
         self._hints.spent(budget, promoted)
         return count
 
-    def _check_arena(self) -> None:
+    def check_arena(self) -> None:
+        """Raises ``NoArenaError`` without a host tier (``StoreClosedError`` when closed)."""
         self._check_open()
         if self._host is None:
             raise NoArenaError("the shared-memory data plane needs the host tier (host.enabled)")
@@ -618,22 +578,5 @@ def _check_key(name: str, value: object) -> None:
         raise InvalidBlockError(f"{name} must be {KEY_BYTES} bytes, got {shown}")
 
 
-def _check_block(key: bytes, parent: bytes, meta: BlockMeta, payload: Buffer) -> None:
-    _check_meta(key, parent, meta)
-    size = memoryview(payload).nbytes
-    if size != meta.layout.payload_bytes:
-        raise InvalidBlockError(
-            f"payload is {size} bytes but the layout {meta.layout} needs "
-            f"{meta.layout.payload_bytes} bytes"
-        )
-
-
-def _check_meta(key: bytes, parent: bytes, meta: BlockMeta) -> None:
-    _check_key("key", key)
-    _check_key("parent", parent)
-    if len(meta.namespace) != KEY_BYTES:
-        raise InvalidBlockError(f"namespace must be {KEY_BYTES} bytes, got {len(meta.namespace)}")
-    if not 0 < meta.num_tokens <= meta.layout.block_tokens:
-        raise InvalidBlockError(
-            f"num_tokens must be in 1..{meta.layout.block_tokens}, got {meta.num_tokens}"
-        )
+async def _listed(work: Coroutine[Any, Any, PutStatus]) -> list[PutStatus]:
+    return [await work]

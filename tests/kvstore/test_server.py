@@ -384,7 +384,7 @@ async def test_oversized_layouts_and_buffers_are_refused_before_any_work(kv: Dae
     # The reservations outlive the test: with the daemon's 5 s TTL, a loaded machine let them
     # expire before the Put, which then found room in the arena and never buffered.
     held = [
-        await kv.store.reserve(i.to_bytes(32, "big"), ROOT_KEY, meta, ttl=600, owner="test")
+        await kv.store.writes.reserve(i.to_bytes(32, "big"), ROOT_KEY, meta, 600, "test")
         for i in range(1, 300)
     ]
     assert held[-1].status.name == "NO_SPACE"  # the arena is full of reservations

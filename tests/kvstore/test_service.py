@@ -214,6 +214,12 @@ async def test_validation_errors_name_the_bad_value(service) -> None:
         await service.lookup(ns, [spec.key] * (MAX_KEYS + 1))
     with pytest.raises(InvalidBlockError, match="has 100 payload bytes; its layout needs 16384"):
         await service.put(ns, spec, b"x" * 100)
+    with pytest.raises(InvalidBlockError, match=r"block\.key must be 32 bytes, got 5"):
+        await service.put(ns, BlockSpec(b"short", spec.parent, 16), payload)
+    with pytest.raises(InvalidBlockError, match=r"block\.parent is the block's own key"):
+        await service.put(ns, BlockSpec(spec.key, spec.key, 16), payload)
+    with pytest.raises(InvalidBlockError, match=r"keys\[0\] must be 32 bytes, got 31"):
+        service.get(ns, [b"k" * 31])
     short = BlockSpec(spec.key, spec.parent, 15)
     with pytest.raises(InvalidBlockError, match=r"num_tokens must be 16 .*got 15"):
         await service.put(ns, short, payload)

@@ -421,20 +421,11 @@ async def test_redis_down_means_misses_and_back_means_writes(make_store, redis_s
         assert store.stats().tiers[1].healthy is True
 
 
-async def test_bad_blocks_name_the_problem(make_store) -> None:
+async def test_a_closed_store_refuses_puts(make_store) -> None:
+    """(Malformed fields never reach the store: the service checks each at the edge,
+    test_service's test_validation_errors_name_the_bad_value.)"""
     async with make_store(host_blocks=2) as store:
-        key, parent, payload = chain("bad", 1)[0]
-        with pytest.raises(InvalidBlockError, match="payload is 100 bytes but the layout"):
-            await store.put(key, parent, META, b"x" * 100)
-        with pytest.raises(InvalidBlockError, match="key must be 32 bytes, got 5 bytes"):
-            await store.put(b"short", parent, META, payload)
-        with pytest.raises(InvalidBlockError, match="parent must be 32 bytes, got str"):
-            await store.put(key, "root", META, payload)  # type: ignore[arg-type]
-        bad_meta = BlockMeta(NAMESPACE, 17, LAYOUT)
-        with pytest.raises(InvalidBlockError, match=r"num_tokens must be in 1\.\.16, got 17"):
-            await store.put(key, parent, bad_meta, payload)
-        with pytest.raises(InvalidBlockError, match="key must be 32 bytes"):
-            await store.get(os.urandom(31), NAMESPACE)
+        key, parent, payload = chain("closed", 1)[0]
     with pytest.raises(StoreClosedError):
         await store.put(key, parent, META, payload)
 
@@ -705,5 +696,5 @@ async def test_a_block_put_again_and_promoted_while_its_delete_waits_is_kept(
         listed = {node.id for node in store.index.nodes() if "host" in node.tiers}
         assert set(host.keys()) == listed == {block_id(key, NAMESPACE)}  # no orphan copy
         assert await store.put(key, parent, META, payload) is PutStatus.DEDUP
-        reserved = await store.reserve(key, parent, META)
+        reserved = await store.writes.reserve(key, parent, META, None, None)
         assert reserved.status is PutStatus.DEDUP

@@ -16,7 +16,7 @@ from kvstore.policies import (
     LruPolicy,
     write_policy,
 )
-from kvstore.store import BlockStore, PutStatus, StoreTier
+from kvstore.store import BlockStore, Commit, PutStatus, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
 from kvstore.wire.blocks import ROOT_KEY, BlockLayout, Codec, payload_checksum
@@ -27,8 +27,10 @@ from tests.support.arena import (
     NS_B,
     Arena,
     blocks,
+    commit,
     fill_host_with_evictable,
     make_store,
+    reserve,
     slow_evictions,
 )
 from tests.support.prefault import StalledPrefault
@@ -40,16 +42,16 @@ async def test_reserve_write_commit_then_acquire_reads_in_place(tmp_path: Path) 
         assert len(arena.map) == 4 * BLOCK
         chain = blocks("a", 2)
         # Step 1: reserve; the block is invisible while its bytes are written.
-        reserved = [await store.reserve(k, p, BlockMeta(NS_A, 16, LAYOUT)) for k, p, _ in chain]
+        reserved = [await reserve(store, k, p, BlockMeta(NS_A, 16, LAYOUT)) for k, p, _ in chain]
         assert [r.status for r in reserved] == [PutStatus.RESERVED] * 2
         assert (await store.lookup([k for k, _, _ in chain], NS_A)).num_blocks == 0
         for (_, _, payload), r in zip(chain, reserved, strict=True):
             assert r.slot is not None and r.slot.length == BLOCK
-            with store.reserved_view(r.slot) as slot:
+            with store.writes.view(r.slot) as slot:
                 slot[:] = payload
         # Step 2: commit makes them visible; a second commit finds no reservation.
-        assert [await store.commit(k, NS_A) for k, _, _ in chain] == [PutStatus.STORED] * 2
-        assert await store.commit(chain[0][0], NS_A) is PutStatus.EXPIRED
+        assert [await commit(store, k, NS_A) for k, _, _ in chain] == [PutStatus.STORED] * 2
+        assert await commit(store, chain[0][0], NS_A) is PutStatus.EXPIRED
         assert (await store.lookup([k for k, _, _ in chain], NS_A)).num_blocks == 2
         # Step 3: acquire returns slots under a lease; bytes read in place are exact.
         acquired = await store.acquire([k for k, _, _ in chain], NS_A)
@@ -60,7 +62,7 @@ async def test_reserve_write_commit_then_acquire_reads_in_place(tmp_path: Path) 
         assert store.stats().active_leases == 1
         await store.release(acquired.lease.lease_id)
         # Reserving a held key is a dedup, no space used.
-        again = await store.reserve(chain[0][0], ROOT_KEY, BlockMeta(NS_A, 16, LAYOUT))
+        again = await reserve(store, chain[0][0], ROOT_KEY, BlockMeta(NS_A, 16, LAYOUT))
         assert again.status is PutStatus.DEDUP and again.slot is None
         arena.close()
 
@@ -68,25 +70,24 @@ async def test_reserve_write_commit_then_acquire_reads_in_place(tmp_path: Path) 
 async def test_abandoned_reservations_expire_and_free_space(tmp_path: Path) -> None:
     async with make_store(tmp_path, host_blocks=2, ssd=False) as store:
         ((key, parent, _),) = blocks("crash", 1)
-        reserved = await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT), ttl=1.0)
+        reserved = await reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT), ttl=1.0)
         assert reserved.status is PutStatus.RESERVED
         host = store.tier("host").tier
         assert host.usage() == BLOCK and store.stats().active_reservations == 1
         # The writer died: at expiry the space comes back and the block never appears.
         await store.maintain(now=10**9)
         assert host.usage() == 0 and store.stats().active_reservations == 0
-        assert await store.commit(key, NS_A) is PutStatus.EXPIRED
+        assert await commit(store, key, NS_A) is PutStatus.EXPIRED
         assert (await store.lookup([key], NS_A)).num_blocks == 0
         # An explicit abort works the same way.
-        await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
+        await reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT))
         assert await store.abort(key, NS_A) is True and await store.abort(key, NS_A) is False
         assert host.usage() == 0
 
 
-async def test_bad_reservations_and_no_arena(tmp_path: Path) -> None:
-    async with make_store(tmp_path) as store:
-        with pytest.raises(InvalidBlockError, match="parent must be 32 bytes, got 3 bytes"):
-            await store.reserve(b"k" * 32, b"abc", BlockMeta(NS_A, 16, LAYOUT))
+async def test_a_store_without_an_arena_refuses_arena_calls(tmp_path: Path) -> None:
+    """(A malformed key or parent never reaches the store: the service checks each field at
+    the edge, test_service's test_validation_errors_name_the_bad_value.)"""
     disk_only = BlockStore(
         [
             StoreTier(
@@ -101,6 +102,8 @@ async def test_bad_reservations_and_no_arena(tmp_path: Path) -> None:
         assert disk_only.arena("") is None
         with pytest.raises(NoArenaError, match="needs the host tier"):
             await disk_only.acquire([b"k" * 32], NS_A)
+        with pytest.raises(NoArenaError, match="needs the host tier"):
+            await disk_only.commit([Commit(b"k" * 32, NS_A)])
 
 
 async def test_a_reserve_that_finds_only_a_faulting_chunk_free_waits_instead_of_evicting(
@@ -115,7 +118,7 @@ async def test_a_reserve_that_finds_only_a_faulting_chunk_free_waits_instead_of_
         await stall.started()
         await fill_host_with_evictable(store, 15)
         ((key, parent, _),) = blocks("last", 1)
-        task = asyncio.create_task(store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT)))
+        task = asyncio.create_task(reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT)))
         for _ in range(3):
             await asyncio.sleep(0)
         assert not task.done()
@@ -132,15 +135,15 @@ async def test_a_tenant_cannot_reach_another_tenants_reservations_or_blocks(
     async with make_store(tmp_path, host_blocks=8, ssd=False) as store:
         ((key, parent, payload),) = blocks("shared-key", 1)
         # Step 1: A reserves K. B's commit and abort of K (in B's namespace) find nothing.
-        mine = await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT), owner="a")
+        mine = await reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT), owner="a")
         assert mine.status is PutStatus.RESERVED
-        assert await store.commit(key, NS_B, owner="b") is PutStatus.EXPIRED
+        assert await commit(store, key, NS_B, owner="b") is PutStatus.EXPIRED
         assert await store.abort(key, NS_B, owner="b") is False
         # ... nor may another writer of A's own namespace finish A's reservation.
-        assert await store.commit(key, NS_A, owner="other") is PutStatus.EXPIRED
+        assert await commit(store, key, NS_A, owner="other") is PutStatus.EXPIRED
         assert await store.abort(key, NS_A, owner="other") is False
         # Step 2: B reserving or putting the same key is not told A holds it (no DEDUP).
-        theirs = await store.reserve(key, parent, BlockMeta(NS_B, 16, LAYOUT), owner="b")
+        theirs = await reserve(store, key, parent, BlockMeta(NS_B, 16, LAYOUT), owner="b")
         assert theirs.status is PutStatus.RESERVED
         assert await store.abort(key, NS_B, owner="b") is True
         forged = b"\xee" * BLOCK
@@ -148,7 +151,7 @@ async def test_a_tenant_cannot_reach_another_tenants_reservations_or_blocks(
             PutStatus.STORED
         )
         # Step 3: A commits its own bytes; each namespace reads its own block.
-        assert await store.commit(key, NS_A, owner="a", source=payload) is PutStatus.STORED
+        assert await commit(store, key, NS_A, owner="a", source=payload) is PutStatus.STORED
         assert (await store.get(key, NS_A)).payload == payload
         assert (await store.get(key, NS_B)).payload == forged
         # Step 4: B deleting K removes only B's block.
@@ -159,16 +162,16 @@ async def test_a_tenant_cannot_reach_another_tenants_reservations_or_blocks(
 async def test_a_commit_with_the_wrong_checksum_stores_nothing(tmp_path: Path) -> None:
     async with make_store(tmp_path, host_blocks=4, ssd=False) as store:
         ((key, parent, payload),) = blocks("sum", 1)
-        await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
+        await reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT))
         bad = payload_checksum(payload) ^ 1
-        status = await store.commit(key, NS_A, source=payload, checksum=bad)
+        status = await commit(store, key, NS_A, source=payload, checksum=bad)
         assert status is PutStatus.CHECKSUM_MISMATCH
         assert (await store.lookup([key], NS_A)).num_blocks == 0
         assert store.tier("host").tier.usage() == 0
         assert store.stats().corrupt_writes == 1
-        await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
+        await reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT))
         good = payload_checksum(payload)
-        assert await store.commit(key, NS_A, source=payload, checksum=good) is PutStatus.STORED
+        assert await commit(store, key, NS_A, source=payload, checksum=good) is PutStatus.STORED
 
 
 async def test_an_oversized_block_is_refused_before_anything_is_evicted(tmp_path: Path) -> None:
@@ -177,7 +180,7 @@ async def test_an_oversized_block_is_refused_before_anything_is_evicted(tmp_path
         huge = BlockLayout(num_layers=64, num_kv_heads=2, block_tokens=16, head_dim=64,
                            dtype="float16")  # fmt: skip
         with pytest.raises(InvalidBlockError, match="can never fit in the host tier"):
-            await store.reserve(b"h" * 32, ROOT_KEY, BlockMeta(NS_A, 16, huge))
+            await reserve(store, b"h" * 32, ROOT_KEY, BlockMeta(NS_A, 16, huge))
         with pytest.raises(InvalidBlockError, match="can never fit in the host tier"):
             await store.put(
                 b"h" * 32, ROOT_KEY, BlockMeta(NS_A, 16, huge), bytes(huge.payload_bytes)
@@ -206,7 +209,7 @@ async def test_a_reserve_cancelled_while_evicting_leaves_the_key_writable(
         await fill_host_with_evictable(store, 2)
         started = await slow_evictions(store, monkeypatch)
         ((key, parent, payload),) = blocks("cancelled-reserve", 1)
-        task = asyncio.create_task(store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT)))
+        task = asyncio.create_task(reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT)))
         await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -236,9 +239,9 @@ async def test_a_put_cancelled_while_evicting_ends_consistently(
         assert set(host.keys()) == indexed  # no copy the index does not know
         assert (await store.get(key, NS_A)).payload == payload  # it was stored, and reads back
         await store.delete(key, NS_A)
-        reserved = await store.reserve(key, parent, BlockMeta(NS_A, 16, LAYOUT))
+        reserved = await reserve(store, key, parent, BlockMeta(NS_A, 16, LAYOUT))
         assert reserved.status is PutStatus.RESERVED
-        assert await store.commit(key, NS_A, source=payload) is PutStatus.STORED
+        assert await commit(store, key, NS_A, source=payload) is PutStatus.STORED
 
 
 async def test_a_parent_whose_demotion_fails_is_kept(tmp_path: Path) -> None:
@@ -284,7 +287,6 @@ async def test_small_blocks_are_summed_on_the_loop_and_large_ones_in_a_thread(
     callbacks (in a thread, its per-block Python held the GIL nearly throughout); one of
     256 KiB blocks goes to one worker thread. Either way every byte lands and is summed."""
     import kvstore.writes as arena_module
-    from kvstore.writes import Commit
 
     layout = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=block_tokens, head_dim=64,
                          dtype="float16")  # fmt: skip
@@ -305,11 +307,11 @@ async def test_small_blocks_are_summed_on_the_loop_and_large_ones_in_a_thread(
         meta = BlockMeta(NS_A, block_tokens, layout)
         chain = [(k, p, hashlib.shake_256(k).digest(size)) for k, p, _ in blocks("s", count)]
         for key, parent, _ in chain:
-            assert (await store.reserve(key, parent, meta)).status is PutStatus.RESERVED
+            assert (await reserve(store, key, parent, meta)).status is PutStatus.RESERVED
         writes = [Commit(k, NS_A, None, payload, payload_checksum(payload)) for k, _, payload
                   in chain]  # fmt: skip
         turns = 0
-        task = asyncio.ensure_future(store.commit_many(writes))
+        task = asyncio.ensure_future(store.commit(writes))
         while not task.done():
             turns += 1
             await asyncio.sleep(0)

@@ -16,7 +16,9 @@ from kvstore.policies import (
     LruPolicy,
     write_policy,
 )
-from kvstore.store import BlockStore, PutStatus, StoreTier
+from kvstore.results import Reserved
+from kvstore.store import BlockStore, Commit, PutStatus, StoreTier
+from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
 from kvstore.wire.blocks import ROOT_KEY, BlockLayout, Codec
@@ -76,6 +78,33 @@ class Arena:
 
     def close(self) -> None:
         self.map.close()
+
+
+async def reserve(
+    store: BlockStore,
+    key: bytes,
+    parent: bytes,
+    meta: BlockMeta,
+    *,
+    ttl: float | None = None,
+    owner: object = None,
+) -> Reserved:
+    """One block reserved through the store's write path, as the service reserves."""
+    return await store.writes.reserve(key, parent, meta, ttl, owner)
+
+
+async def commit(
+    store: BlockStore,
+    key: bytes,
+    namespace: bytes,
+    *,
+    owner: object = None,
+    source: Buffer | None = None,
+    checksum: int = 0,
+) -> PutStatus:
+    """One reservation committed through the store, as the service commits."""
+    (status,) = await store.commit([Commit(key, namespace, owner, source, checksum)])
+    return status
 
 
 async def put_chain(store: BlockStore, chain: list[tuple[bytes, bytes, bytes]]) -> list[bytes]:

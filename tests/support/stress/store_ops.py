@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvstore.client import ROOT_KEY
 from kvstore.errors import UnknownLeaseError as UnknownLeaseErrorStore
 from kvstore.index import BlockMeta
-from kvstore.store import BlockStore, PutStatus
+from kvstore.store import BlockStore, Commit, PutStatus
 from kvstore.wire.blocks import payload_checksum
 from tests.support.stress.content import (
     CHAIN_BLOCKS,
@@ -245,13 +245,14 @@ class StoreRun:
         self.tally.written.add((tenant, tenant, family, branch))
         for index in range(length):
             parent = ROOT_KEY if index == 0 else keys[index - 1]
-            reserved = await store.reserve(keys[index], parent, self.metas[tenant], owner=owner)
+            meta = self.metas[tenant]
+            reserved = await store.writes.reserve(keys[index], parent, meta, None, owner)
             self.tally.statuses[f"reserve_{reserved.status.name}"] += 1
             if reserved.status is not PutStatus.RESERVED:
                 continue
             assert reserved.slot is not None
             data = payload(tenant, keys[index])
-            with store.reserved_view(reserved.slot) as view:
+            with store.writes.view(reserved.slot) as view:
                 view[:] = data
             if rng.random() < 0.3:
                 await asyncio.sleep(rng.uniform(0, 0.002))
@@ -260,7 +261,7 @@ class StoreRun:
                 self.tally.events["reservations_aborted"] += 1
                 return
             checksum = payload_checksum(data) if rng.random() < 0.5 else 0
-            status = await store.commit(keys[index], digest, owner=owner, checksum=checksum)
+            (status,) = await store.commit([Commit(keys[index], digest, owner, checksum=checksum)])
             self.tally.statuses[f"commit_{status.name}"] += 1
             if status is PutStatus.CHECKSUM_MISMATCH:
                 self.tally.fail("reserve", "CHECKSUM_MISMATCH for correct bytes")
@@ -310,7 +311,7 @@ class StoreRun:
         index = len(keys) - 1
         parent = ROOT_KEY if index == 0 else keys[index - 1]
         reserved = await self.tally.unless_cancelled(
-            store.reserve(keys[index], parent, self.metas[tenant], owner=owner),
+            store.writes.reserve(keys[index], parent, self.metas[tenant], None, owner),
             rng.uniform(0, 0.002),
             "reserve_cancelled",
         )
