@@ -58,7 +58,6 @@ from kvstore.inference_adapter.vllm.layout import layer_kv, layout_of
 from kvstore.inference_adapter.vllm.link import Link
 from kvstore.inference_adapter.vllm.model import model_namespace
 from kvstore.inference_adapter.vllm.scheduler import (
-    LEVELS_PARAM,
     SchedulerSide,
     StepPlan,
     held_by_every_rank,
@@ -172,6 +171,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layer_index: dict[str, int] = {}
         self._reported = Counter[str]()
         self._hints: _Hints | None = None
+        self.handoff = bool(transfer.is_kv_producer) and self.settings.hands_off(
+            getattr(transfer, "kv_role", None)
+        )
         if role == KVConnectorRole.SCHEDULER:
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 log.warning(
@@ -199,6 +201,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 prefetch=self._hints.send,
                 load=bool(transfer.is_kv_consumer),
                 save=bool(transfer.is_kv_producer),
+                handoff=self.handoff,
             )
             link.warm()
         log.info(
@@ -268,8 +271,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         # The worker copies saved blocks out during the step: nothing holds vLLM's blocks.
         # Where the prompt's KV came from reaches the request's output (kv_transfer_params).
-        levels = self._sched().finished(request.request_id)
-        return False, ({LEVELS_PARAM: levels} if levels else None)
+        # With the hand-off on (a prefill instance) the step that finished it committed its
+        # saves before it ended, and the params name the prompt blocks held for the decode.
+        return False, self._sched().params(request.request_id)
 
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:
@@ -311,6 +315,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             save_queue_blocks=self.settings.save_queue_blocks,
             load_timeout_s=self.settings.load_timeout_s,
             rank=_tp_rank(self.tp_size),
+            handoff_timeout_s=self.settings.handoff_timeout_s if self.handoff else None,
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -348,8 +353,13 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             data = {name: now[name] - self._reported[name] for name in now}
             self._reported = now
             observed = self._worker.take_observed()
+        elif self._scheduler is not None:
+            now = self._scheduler.counts.copy()
+            data = {name: now[name] - self._reported[name] for name in now}
+            self._reported = now
+            observed = self._scheduler.take_observed()
         else:
-            observed = self._scheduler.take_observed() if self._scheduler is not None else []
+            observed = []
         stats = KVStoreConnectorStats(data={k: v for k, v in data.items() if v})
         if observed:
             stats.data[PHASES_KEY] = observed

@@ -11,6 +11,17 @@ came from: ``hbm`` (vLLM's own prefix cache, the tokens it had computed when it 
 the daemon's tiers (``host``, ``ssd``, ``redis``, the highest copy of each loaded block at
 lookup), in tokens; the connector hands them to vLLM's output (``kv_transfer_params``).
 
+Prefill/decode disaggregation: a prefill instance (``handoff``, the default of
+``kv_producer``) ends each step only once its saves are committed (the worker's side), so
+when a request's reply leaves vLLM its KV is readable; ``params`` adds to the reply's
+``kv_transfer_params`` the hand-off (``HANDOFF_PARAM``: how many of the prompt's leading
+blocks the daemon holds for it). A proxy passes those params on with the decode request;
+the decode instance's ``matched_tokens`` counts what it finds of the named blocks
+(``counts``: ``handoff_requests``, ``handoff_named_blocks``, ``handoff_found_blocks``,
+``handoff_short``): fewer found (a producer gone, a daemon restarted, a shared tier
+unreachable) is recomputed at once, not waited for, since a committed hand-off never comes
+later.
+
 - Loads: only whole stored blocks, only past what vLLM computed itself
   (``num_computed_tokens``, its own prefix cache), never the prompt's last token (vLLM must
   compute one token to sample). Blocks are loaded during the step's forward pass, layer by
@@ -28,9 +39,10 @@ Nothing here talks to vLLM types: requests are read through ``request_id``,
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.client import (
     ROOT_KEY,
@@ -44,6 +56,7 @@ from kvstore.client import (
 from kvstore.inference_adapter.core.timeline import HitTimeline, PhaseHistograms, now
 
 __all__ = [
+    "HANDOFF_PARAM",
     "LEVELS_PARAM",
     "LoadSpec",
     "Match",
@@ -58,6 +71,9 @@ log = logging.getLogger(__name__)
 # The key of vLLM's ``kv_transfer_params`` on a finished request's output that holds its
 # prompt tokens by level (``{"hbm": 64, "host": 256}``).
 LEVELS_PARAM = "kvstore_levels"
+# The key of the hand-off in a prefill's ``kv_transfer_params`` (``{"blocks": 12,
+# "block_tokens": 16}``: the prompt's leading blocks committed), passed on to the decode.
+HANDOFF_PARAM = "kvstore_handoff"
 
 
 class TrackedRequest(Protocol):
@@ -145,6 +161,8 @@ class SchedulerSide:
             must not block (the connector sends it from a thread of its own).
         load: Plan loads (kv_both, kv_consumer).
         save: Plan saves (kv_both, kv_producer).
+        handoff: Name the committed prompt blocks in each finished request's params (a
+            prefill instance whose worker commits each step's saves before it ends).
     """
 
     def __init__(
@@ -157,6 +175,7 @@ class SchedulerSide:
         prefetch: Callable[[str, Sequence[bytes]], None] | None = None,
         load: bool = True,
         save: bool = True,
+        handoff: bool = False,
     ) -> None:
         self.namespace = namespace
         self.block_tokens = namespace.model.block_tokens
@@ -172,6 +191,8 @@ class SchedulerSide:
         self._prefetch = prefetch
         self._load = load
         self._save = save
+        self._handoff = handoff and save
+        self.counts = Counter[str]()  # the hand-offs a decode instance received
         self._tracked: dict[str, _Tracked] = {}
         self._matches: dict[str, _Match] = {}
         self._loads: list[LoadSpec] = []
@@ -204,6 +225,7 @@ class SchedulerSide:
         except Exception as error:
             self.lookup_errors += 1
             log.debug("lookup of request %s failed: %s", request.request_id, error)
+            self._count_handoff(getattr(request, "kv_transfer_params", None), usable, 0)
             return 0
         timeline.lookup_answered = now()
         phases = timeline.phases()
@@ -212,6 +234,7 @@ class SchedulerSide:
         self._observe(phases)
         found = match.found
         held = min(found.num_blocks, usable)
+        self._count_handoff(getattr(request, "kv_transfer_params", None), usable, held)
         tracked.next_save = max(tracked.next_save, held)  # held blocks are never saved again
         if not self._load or not held:
             self._end_leases(match.leases)
@@ -285,6 +308,44 @@ class SchedulerSide:
         self._drop_match(request_id)
         self._arrived.pop(request_id, None)
         return tracked.levels if tracked is not None else {}
+
+    def params(self, request_id: str) -> dict[str, Any] | None:
+        """The finished request's ``kv_transfer_params``: its levels (``LEVELS_PARAM``) and,
+        with ``handoff``, the prompt's leading blocks committed (``HANDOFF_PARAM``); it is
+        forgotten (:meth:`finished`)."""
+        tracked = self._tracked.get(request_id)
+        params: dict[str, Any] = {}
+        if tracked is not None and self._handoff:
+            prompt = len(tracked.request.prompt_token_ids or ())
+            blocks = min(tracked.next_save, prompt // self.block_tokens)
+            params[HANDOFF_PARAM] = {"blocks": blocks, "block_tokens": self.block_tokens}
+        levels = self.finished(request_id)
+        if levels:
+            params[LEVELS_PARAM] = levels
+        return params or None
+
+    def _count_handoff(self, params: Mapping[str, Any] | None, usable: int, held: int) -> None:
+        """Counts what a decode request found of the blocks its prefill named."""
+        handoff = (params or {}).get(HANDOFF_PARAM)
+        if not isinstance(handoff, Mapping):
+            return
+        self.counts["handoff_requests"] += 1
+        blocks, tokens = handoff.get("blocks"), handoff.get("block_tokens")
+        if tokens != self.block_tokens or not isinstance(blocks, int):
+            self.counts["handoff_mismatched"] += 1
+            log.warning(
+                "a hand-off of %r blocks of %r tokens, where this instance stores blocks of "
+                "%d: the prefill instance is configured otherwise; recomputing",
+                blocks, tokens, self.block_tokens,
+            )  # fmt: skip
+            return
+        named = min(blocks, usable)
+        self.counts["handoff_named_blocks"] += named
+        self.counts["handoff_found_blocks"] += min(held, named)
+        if held < named:
+            self.counts["handoff_short"] += 1
+            log.info("a hand-off named %d blocks; the daemon holds %d: the rest is recomputed",
+                     named, held)  # fmt: skip
 
     def take_observed(self) -> list[dict[str, float]]:
         """The hit phases observed since the last call (for vLLM's connector stats)."""

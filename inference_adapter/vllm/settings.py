@@ -24,6 +24,14 @@ Keys:
 - ``retry_s`` (2): after a failure, how long the connector answers "miss" before it tries
   the daemon again (sooner when another connector side in this process reached it).
 - ``use_shm`` (true): map the daemon's arena when it runs on this host.
+- ``handoff`` (true with ``kv_role: "kv_producer"``, else false): this instance is the
+  prefill side of prefill/decode disaggregation: each step ends only once its saves are
+  committed in the daemon (and in the tiers it writes at put, a shared Redis included), and a
+  finished request's ``kv_transfer_params`` name the prompt blocks held for it, which the
+  decode instance is handed (``kvstore pd-proxy``).
+- ``handoff_timeout_s`` (30): with ``handoff``, the longest a step waits for its saves;
+  past it the step ends anyway (counted: ``handoff_save_timeouts``) and the decode side
+  recomputes what it does not find.
 - ``pin_arena`` (true): on CUDA, register the mapped arena with CUDA, so that a load is one
   kernel per layer reading the arena over the host link; the daemon then keeps that arena's
   pages while the worker runs (see docs/ARCHITECTURE.md, departure 10).
@@ -54,6 +62,8 @@ class ConnectorSettings:
     retry_s: float = 2.0
     use_shm: bool = True
     pin_arena: bool = True
+    handoff: bool | None = None  # None: the role decides (kv_producer)
+    handoff_timeout_s: float = 30.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorSettings:
@@ -86,9 +96,16 @@ class ConnectorSettings:
             retry_s=_seconds(extra, "retry_s", 2.0),
             use_shm=_flag(extra, "use_shm", True),
             pin_arena=_flag(extra, "pin_arena", True),
+            handoff=None if extra.get("handoff") is None else _flag(extra, "handoff", False),
+            handoff_timeout_s=_seconds(extra, "handoff_timeout_s", 30.0),
         )
         settings.token()  # a named variable that is unset fails now, not at first use
         return settings
+
+    def hands_off(self, kv_role: str | None) -> bool:
+        """Whether this instance is a prefill that hands its KV off: ``handoff``, or by
+        default the ``kv_producer`` role."""
+        return self.handoff if self.handoff is not None else kv_role == "kv_producer"
 
     def token(self) -> str | None:
         """The daemon token, read from the environment variable ``token_env``.

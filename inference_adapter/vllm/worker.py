@@ -31,7 +31,11 @@ Per step, in vLLM's order:
    blocks a step saves are chosen when their first layer is captured: only as many as the
    bounded save queue takes; the rest are dropped and counted.
 4. ``finish_step()`` (``wait_for_save``): hands the staged blocks to the save queue, whose
-   thread puts them while vLLM runs the next step. On the CPU it waits for the copy thread
+   thread puts them while vLLM runs the next step. A prefill instance that hands its KV off
+   (``handoff_timeout_s`` set) waits instead until they are committed (within that bound):
+   the step's output, hence a finished request's reply, then follows its saves, and the
+   decode instance it is handed to finds them; every save of the step is taken (the queue
+   waits for room rather than dropping one). On the CPU it waits for the copy thread
    first; on CUDA it waits for nothing: the job carries an event recorded on vLLM's stream
    after the copies out, which the queue's thread waits for. Either way no vLLM block is
    read after the step's work: a later write to it (vLLM freeing and reusing it) is queued
@@ -112,6 +116,8 @@ class WorkerSide:
         load_timeout_s: How long ``wait_layer`` waits for one layer.
         rank: This worker's tensor-parallel rank: it saves and loads its share of the KV
             heads under that rank's keys (``shard_keys``), so ranks never collide.
+        handoff_timeout_s: With a value, a step ends once its saves are committed, or
+            after this long (a prefill instance: see step 4).
     """
 
     def __init__(
@@ -123,8 +129,10 @@ class WorkerSide:
         save_queue_blocks: int,
         load_timeout_s: float,
         rank: int = 0,
+        handoff_timeout_s: float | None = None,
     ) -> None:
         self.namespace = namespace
+        self.handoff_timeout_s = handoff_timeout_s
         self.rank = rank
         self.layers = list(layers)
         self.block_tokens = namespace.model.block_tokens
@@ -327,7 +335,8 @@ class WorkerSide:
             staging[:, layer, 1].copy_(v, non_blocking=True)
 
     def finish_step(self) -> None:
-        """Hands the step's staged blocks to the save queue (never waits for a put)."""
+        """Hands the step's staged blocks to the save queue: without the hand-off it never
+        waits for a put; with it, it returns once they are committed (step 4)."""
         staged, self._staged = self._staged or [], None
         load, self._load = self._load, None  # the step is over: its layers were all waited for
         if load is not None and not load.failed and not load.cancelled:
@@ -347,13 +356,25 @@ class WorkerSide:
         if staged and self.device.type == "cuda":
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self.device))
+        handoff = self.handoff_timeout_s
+        deadline = None if handoff is None else time.monotonic() + handoff
         for spec, staging in staged:
             keys = shard_keys((spec.parent, *spec.keys), self.rank)
             job = SaveJob(keys=tuple(keys[1:]), parent=keys[0], blocks=staging, ready=ready)
+            if deadline is not None and not self._saves.has_room(len(job.keys)):
+                self._saves.drain(max(0.0, deadline - time.monotonic()))
             if self._saves.offer(job):
                 self.counts["queued_saves"] += len(spec.keys)
             else:
                 self.counts["dropped_saves"] += len(spec.keys)
+        waited = deadline is not None and staged
+        if waited and not self._saves.drain(max(0.0, (deadline or 0.0) - time.monotonic())):
+            self.counts["handoff_save_timeouts"] += 1
+            log.warning(
+                "a step's saves were not committed within handoff_timeout_s (%.1f s); the "
+                "decode side recomputes what it misses",
+                handoff,
+            )
 
     def _admit(self, specs: Sequence[SaveSpec]) -> list[tuple[SaveSpec, torch.Tensor]]:
         """Staging for the saves the queue has room for, on vLLM's device: the save queue's
@@ -366,6 +387,7 @@ class WorkerSide:
         for spec in specs:
             n = len(spec.keys)
             fits = taken + n <= room or (not taken and self._saves.has_room(n))
+            fits = fits or self.handoff_timeout_s is not None  # the step waits for room
             staging = self._staging(n) if fits else None
             if staging is None:
                 self.counts["dropped_saves"] += n

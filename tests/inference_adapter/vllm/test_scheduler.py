@@ -24,7 +24,12 @@ from kvstore.client import (
     WriteStatus,
     block_keys,
 )
-from kvstore.inference_adapter.vllm.scheduler import Match, SchedulerSide
+from kvstore.inference_adapter.vllm.scheduler import (
+    HANDOFF_PARAM,
+    LEVELS_PARAM,
+    Match,
+    SchedulerSide,
+)
 from tests.support.daemon import running_daemon
 from tests.support.waiting import wait_for
 
@@ -36,6 +41,7 @@ class FakeRequest:
     request_id: str
     prompt_token_ids: list[int]
     output: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, object] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -185,6 +191,54 @@ def test_roles_turn_loads_and_saves_off() -> None:
     producer2.scheduled("r", list(range(7)), computed=199, replace=True)
     (save,) = producer2.plan_step().saves
     assert save.first_block == 2 and len(save.keys) == 4  # blocks 2..5: 0, 1 are held
+
+
+def test_a_prefill_names_the_prompt_blocks_it_holds_and_a_decode_counts_what_it_finds() -> None:
+    """The producer's params name the prompt's full blocks held or saved (here 2 found + 4
+    saved of a 192-token prompt: 6); the decode side, handed them, counts the blocks it
+    finds of those it can use (5: one prompt token is always computed)."""
+    producer, _ = planner(held=2, load=False, handoff=True)
+    prompt = list(range(1, 193))
+    request = FakeRequest("r", prompt)
+    producer.matched_tokens(request, 0)
+    producer.scheduled("r", list(range(7)), computed=192, replace=True)
+    producer.plan_step()
+    params = producer.params("r")
+    assert params == {HANDOFF_PARAM: {"blocks": 6, "block_tokens": 32}}
+    assert producer.params("r") is None  # forgotten
+    plain, _ = planner(held=2, load=False)  # without the hand-off: no such param
+    plain.matched_tokens(FakeRequest("p", prompt), 0)
+    assert plain.params("p") is None
+
+    for held, short in ((6, 0), (3, 1)):
+        consumer, _ = planner(held=held, save=False)
+        handed = FakeRequest("d", prompt, kv_transfer_params=params)
+        assert consumer.matched_tokens(handed, 0) == min(held, 5) * 32
+        assert consumer.counts == {
+            "handoff_requests": 1,
+            "handoff_named_blocks": 5,
+            "handoff_found_blocks": min(held, 5),
+            **({"handoff_short": 1} if short else {}),
+        }
+        consumer.allocated(handed, list(range(7)), min(held, 5) * 32)
+        assert consumer.params("d") == {LEVELS_PARAM: {"host": min(held, 5) * 32}}
+
+
+def test_a_hand_off_of_other_blocks_or_a_failed_lookup_is_counted_and_recomputed() -> None:
+    prompt = list(range(1, 193))  # 5 usable blocks
+    consumer, _ = planner(held=6, save=False)
+    other = {HANDOFF_PARAM: {"blocks": 3, "block_tokens": 64}}  # a prefill set up otherwise
+    assert consumer.matched_tokens(FakeRequest("d", prompt, kv_transfer_params=other), 0) == 160
+    assert consumer.counts == {"handoff_requests": 1, "handoff_mismatched": 1}
+
+    def down(keys: Sequence[bytes]) -> Match:
+        raise ConnectionError("daemon restarted")
+
+    gone = SchedulerSide(namespace(32), VLLM_BLOCK, down, save=False)
+    params = {HANDOFF_PARAM: {"blocks": 6, "block_tokens": 32}}
+    assert gone.matched_tokens(FakeRequest("d", prompt, kv_transfer_params=params), 0) == 0
+    assert gone.counts == {"handoff_requests": 1, "handoff_named_blocks": 5,
+                           "handoff_found_blocks": 0, "handoff_short": 1}  # fmt: skip
 
 
 def test_a_preempted_request_gets_its_new_blocks_and_keeps_what_it_saved() -> None:

@@ -36,8 +36,20 @@ def test_the_token_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch
         ({"address": "a", "pin_arena": 1}, "'pin_arena' must be true or false, got 1"),
         ({"address": "a", "token_env": "KVSTORE_TEST_UNSET_VAR"}, "'KVSTORE_TEST_UNSET_VAR'"),
         ({"address": "a", "save_queue_blocks": True}, "'save_queue_blocks' must be an integer"),
+        ({"address": "a", "handoff": "on"}, "'handoff' must be true or false, got 'on'"),
+        ({"address": "a", "handoff_timeout_s": 0}, "'handoff_timeout_s' must be seconds > 0"),
     ],
 )
 def test_bad_values_are_refused_by_name(extra: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_a_producer_hands_off_unless_told_otherwise() -> None:
+    plain = ConnectorSettings.from_extra_config({"address": "a"})
+    assert plain.hands_off("kv_producer") and not plain.hands_off("kv_both")
+    assert plain.handoff_timeout_s == 30.0
+    on = ConnectorSettings.from_extra_config({"address": "a", "handoff": True})
+    assert on.hands_off("kv_both")
+    off = ConnectorSettings.from_extra_config({"address": "a", "handoff": False})
+    assert not off.hands_off("kv_producer")

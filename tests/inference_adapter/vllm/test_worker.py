@@ -323,6 +323,66 @@ def test_saving_more_than_the_queue_holds_drops_and_counts(daemon: Daemon) -> No
     worker.close()
 
 
+def handoff_worker(daemon: Daemon, namespace: Namespace, timeout_s: float) -> WorkerSide:
+    """A prefill instance's worker: a save queue of 2 blocks, its steps end once their saves
+    are committed (or after ``timeout_s``)."""
+    link = Link(daemon.address, namespace, retry_s=0.1, role="worker", call_timeout=NEVER_S,
+                wait_for_connect=True)  # fmt: skip
+    layers = [
+        layer_kv(make_layer("cpu", "cpu"), "cpu", num_kv_heads=HEADS, head_dim=DIM)
+        for _ in range(LAYERS)
+    ]
+    assert link.warm()
+    return WorkerSide(link, namespace, layers, save_queue_blocks=2, load_timeout_s=NEVER_S,
+                      handoff_timeout_s=timeout_s)  # fmt: skip
+
+
+def test_a_prefill_step_ends_once_its_saves_are_readable_and_drops_none(daemon: Daemon) -> None:
+    """With the hand-off the step's end is the hand-off: right after it (no wait for the
+    queue), another client finds every block the step saved, though they were three times
+    what the save queue holds (it waited for room instead of dropping)."""
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, "handoff")
+    worker = handoff_worker(daemon, namespace, timeout_s=NEVER_S)
+    keys = block_keys(list(range(1, 6 * BLOCK_TOKENS + 1)), namespace)
+    saves = tuple(
+        SaveSpec(f"r{i}", (keys[i],), keys[i - 1] if i else ROOT_KEY, i, (2 * i, 2 * i + 1))
+        for i in range(6)
+    )
+    with KVStoreClient(daemon.address) as client:
+        for _ in range(3):  # a tight race, taken three times
+            client.delete(namespace, keys[:1])
+            assert client.lookup(namespace, keys) == 0
+            step(worker, StepPlan(saves=saves), lambda layer: None)
+            assert client.lookup(namespace, keys) == 6
+    assert worker.counts["dropped_saves"] == 0 and worker.counts["queued_saves"] == 18
+    assert worker.counts["handoff_save_timeouts"] == 0
+    worker.close()
+
+
+def test_a_prefill_step_waits_for_a_hung_daemon_no_longer_than_its_bound(
+    daemon: Daemon,
+) -> None:
+    model = ModelFingerprint("worker-test", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
+    namespace = Namespace(model, "handoff-hung")
+    bound = 0.5
+    worker = handoff_worker(daemon, namespace, timeout_s=bound)
+    keys = block_keys(list(range(1, BLOCK_TOKENS + 1)), namespace)
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)  # its put hangs
+    try:
+        began = time.monotonic()
+        step(worker, StepPlan(saves=(SaveSpec("r", (keys[0],), ROOT_KEY, 0, (0, 1)),)),
+             lambda layer: None)  # fmt: skip
+        waited = time.monotonic() - began
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert bound <= waited < bound + 10.0  # it waited for the commit, within its bound ...
+    assert worker.counts["handoff_save_timeouts"] == 1  # ... and gave up, counted
+    assert worker.wait_for_saves(30.0)
+    worker.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_a_load_is_ordered_with_vllms_own_stream_both_ways(daemon: Daemon) -> None:
