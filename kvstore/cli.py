@@ -217,6 +217,11 @@ _DELEGATED = [
         "multi-turn chat with SmolLM2 (or --random): TTFT with the store vs recompute",
     ),
     (
+        "pd-proxy",
+        "kvstore.inference_adapter.vllm.proxy",
+        "pd-proxy: each request to a prefill vLLM, then to a decode vLLM with its KV hand-off",
+    ),
+    (
         "bench chat",
         "kvstore.inference_adapter.bench.chat",
         "bench chat: multi-turn workloads, recompute vs kvstore (TTFT, hit rates, plots)",
