@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 MAX_WAITING_HINTS = 64  # prefetch hints waiting to be sent; past this they are dropped
 PHASES_KEY = "hit_phases"  # in the connector stats: the hit phases observed
+HANDOFF_KEY = "handoff_waits"  # and the seconds prefill steps waited for their saves
+LISTS = (PHASES_KEY, HANDOFF_KEY)  # the stats' lists of observations (the rest are counts)
 
 
 @dataclass
@@ -96,19 +98,22 @@ class KVStoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVStoreConnectorStats:
-        phases = [*self.data.get(PHASES_KEY, ()), *other.data.get(PHASES_KEY, ())]
-        merged = Counter({k: v for k, v in self.data.items() if k != PHASES_KEY})
-        merged.update({k: v for k, v in other.data.items() if k != PHASES_KEY})
+        lists = {key: [*self.data.get(key, ()), *other.data.get(key, ())] for key in LISTS}
+        merged = Counter({k: v for k, v in self.data.items() if k not in LISTS})
+        merged.update({k: v for k, v in other.data.items() if k not in LISTS})
         self.data = dict(merged)
-        if phases:
-            self.data[PHASES_KEY] = phases
+        self.data.update({key: values for key, values in lists.items() if values})
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The counts, and each phase's median in milliseconds (``<phase>_p50_ms``)."""
+        """The counts, each phase's median in milliseconds (``<phase>_p50_ms``), and the
+        median wait of a prefill step for its saves (``handoff_wait_p50_ms``)."""
         reduced: dict[str, int | float] = {
-            name: int(value) for name, value in sorted(self.data.items()) if name != PHASES_KEY
+            name: int(value) for name, value in sorted(self.data.items()) if name not in LISTS
         }
+        waits = self.data.get(HANDOFF_KEY, ())
+        if waits:
+            reduced["handoff_wait_p50_ms"] = round(1000 * statistics.median(waits), 3)
         observed = self.data.get(PHASES_KEY, ())
         for phase in PHASES:
             seconds = [hit[phase] for hit in observed if phase in hit]
@@ -123,7 +128,8 @@ class KVStoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
 class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     """``kvstore_engine_hit_phase_seconds{phase}`` (a histogram per vLLM engine): each hit's
     phases as the scheduler's and the worker's connectors observed them, from the stats
-    vLLM collects of both."""
+    vLLM collects of both; and ``kvstore_engine_handoff_wait_seconds``: how long each step
+    of a prefill instance waited for its saves' commit."""
 
     def __init__(
         self,
@@ -143,6 +149,15 @@ class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             engine: {phase: histogram.labels(*values, phase) for phase in PHASES}
             for engine, values in per_engine_labelvalues.items()
         }
+        waits = self._histogram_cls(
+            name="kvstore_engine_handoff_wait_seconds",
+            documentation="How long a prefill step waited for its saves' commit (P/D hand-off)",
+            buckets=[bound for bound in BUCKETS if bound != float("inf")],
+            labelnames=labelnames,
+        )
+        self._waits = {
+            engine: waits.labels(*values) for engine, values in per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         histograms = self._phases.get(engine_idx, {})
@@ -150,6 +165,10 @@ class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             for phase, seconds in hit.items():
                 if phase in histograms:
                     histograms[phase].observe(seconds)
+        waits = self._waits.get(engine_idx)
+        if waits is not None:
+            for seconds in transfer_stats_data.get(HANDOFF_KEY, ()):
+                waits.observe(seconds)
 
 
 class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -353,6 +372,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             data = {name: now[name] - self._reported[name] for name in now}
             self._reported = now
             observed = self._worker.take_observed()
+            waits = self._worker.take_handoff_waits()
+            if waits:
+                data[HANDOFF_KEY] = waits
         elif self._scheduler is not None:
             now = self._scheduler.counts.copy()
             data = {name: now[name] - self._reported[name] for name in now}

@@ -156,6 +156,7 @@ class WorkerSide:
         self.counts = Counter[str]()
         self.phases = PhaseHistograms()  # the worker's part of each hit: lease, layers
         self.observed: list[dict[str, float]] = []  # phases observed since taken
+        self.handoff_waits: list[float] = []  # seconds steps waited for their saves, since taken
         self._observed_lock = threading.Lock()
 
     # Loads ---------------------------------------------------------------------------------
@@ -241,6 +242,13 @@ class WorkerSide:
         with self._observed_lock:
             observed, self.observed = self.observed, []
         return observed
+
+    def take_handoff_waits(self) -> list[float]:
+        """Seconds each step that saved waited for its saves' commit (the hand-off), since
+        the last call."""
+        with self._observed_lock:
+            waits, self.handoff_waits = self.handoff_waits, []
+        return waits
 
     def _adopt(
         self, client: KVStoreClient, shared: SharedLease | None, count: int, load: _Load
@@ -356,19 +364,26 @@ class WorkerSide:
         if staged and self.device.type == "cuda":
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self.device))
-        handoff = self.handoff_timeout_s
-        deadline = None if handoff is None else time.monotonic() + handoff
+        began, handoff = time.monotonic(), self.handoff_timeout_s
         for spec, staging in staged:
             keys = shard_keys((spec.parent, *spec.keys), self.rank)
             job = SaveJob(keys=tuple(keys[1:]), parent=keys[0], blocks=staging, ready=ready)
-            if deadline is not None and not self._saves.has_room(len(job.keys)):
-                self._saves.drain(max(0.0, deadline - time.monotonic()))
+            if handoff is not None and not self._saves.has_room(len(job.keys)):
+                self._saves.drain(_left(began, handoff))
             if self._saves.offer(job):
                 self.counts["queued_saves"] += len(spec.keys)
             else:
                 self.counts["dropped_saves"] += len(spec.keys)
-        waited = deadline is not None and staged
-        if waited and not self._saves.drain(max(0.0, (deadline or 0.0) - time.monotonic())):
+        if handoff is not None and staged:
+            self._hand_off(began, handoff)
+
+    def _hand_off(self, began: float, handoff: float) -> None:
+        """Waits until the step's saves are committed, within ``handoff`` seconds of
+        ``began``; the wait is observed, a timeout counted."""
+        committed = self._saves.drain(_left(began, handoff))
+        with self._observed_lock:
+            self.handoff_waits.append(time.monotonic() - began)
+        if not committed:
             self.counts["handoff_save_timeouts"] += 1
             log.warning(
                 "a step's saves were not committed within handoff_timeout_s (%.1f s); the "
@@ -421,3 +436,8 @@ class WorkerSide:
         self._saves.close(timeout)
         with contextlib.suppress(Exception):
             self._link.close()
+
+
+def _left(began: float, seconds: float) -> float:
+    """What is left of ``seconds`` from ``began`` (``time.monotonic``), at least 0."""
+    return max(0.0, began + seconds - time.monotonic())

@@ -1,7 +1,8 @@
 """The connector's stats and Prometheus metrics as vLLM's loggers use them, in the vLLM
 environment: hit phases observed on the scheduler's and the worker's side are merged with the
 block counts, reduced to medians for vLLM's log line, and recorded in
-``kvstore_engine_hit_phase_seconds{phase}`` per engine.
+``kvstore_engine_hit_phase_seconds{phase}`` per engine; so are a prefill step's waits for its
+saves (``kvstore_engine_handoff_wait_seconds``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 from types import SimpleNamespace
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
 from kvstore.inference_adapter.vllm.connector import (
-    PHASES_KEY, KVStoreConnector, KVStoreConnectorStats,
+    HANDOFF_KEY, PHASES_KEY, KVStoreConnector, KVStoreConnectorStats,
 )
 config = SimpleNamespace(kv_transfer_config=None)
 types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
@@ -27,7 +28,8 @@ scheduler = KVStoreConnector.build_kv_connector_stats(
     {PHASES_KEY: [{"queue": 0.002, "lookup": 0.0004}]}
 )
 worker = KVStoreConnectorStats(
-    data={"load_blocks": 3, PHASES_KEY: [{"first_layer": 0.001, "layers": 0.003}]}
+    data={"load_blocks": 3, PHASES_KEY: [{"first_layer": 0.001, "layers": 0.003}],
+          HANDOFF_KEY: [0.004]}
 )
 merged = worker.aggregate(scheduler).aggregate(KVStoreConnectorStats(data={"load_blocks": 2}))
 metrics.observe(merged.data, 1)
@@ -47,6 +49,7 @@ def test_hit_phases_reach_vllms_log_line_and_prometheus_per_engine() -> None:
         "lookup_p50_ms": 0.4,
         "first_layer_p50_ms": 1.0,
         "layers_p50_ms": 3.0,
+        "handoff_wait_p50_ms": 4.0,
     }
     lines = report["text"].splitlines()
     name = "kvstore_engine_hit_phase_seconds"
@@ -54,3 +57,6 @@ def test_hit_phases_reach_vllms_log_line_and_prometheus_per_engine() -> None:
         assert f'{name}_count{{engine="1",phase="{phase}"}} 1.0' in lines, phase
         assert f'{name}_count{{engine="0",phase="{phase}"}} 0.0' in lines, phase
     assert f'{name}_count{{engine="1",phase="lease"}} 0.0' in lines
+    waits = "kvstore_engine_handoff_wait_seconds"
+    assert f'{waits}_count{{engine="1"}} 1.0' in lines
+    assert f'{waits}_count{{engine="0"}} 0.0' in lines

@@ -357,6 +357,7 @@ def test_a_prefill_step_ends_once_its_saves_are_readable_and_drops_none(daemon: 
             assert client.lookup(namespace, keys) == 6
     assert worker.counts["dropped_saves"] == 0 and worker.counts["queued_saves"] == 18
     assert worker.counts["handoff_save_timeouts"] == 0
+    assert len(worker.take_handoff_waits()) == 3  # one wait observed a step
     worker.close()
 
 
