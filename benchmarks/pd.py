@@ -7,8 +7,10 @@
 Needs the vLLM environment (``make vllm-venv``; its python in ``KVSTORE_VLLM_PYTHON``) and
 ShareGPT (``kvstore dataset fetch``); ``gemma3`` needs ``kvstore model fetch --name gemma3``.
 One ``kvstore serve`` (a 1 GiB host tier), a prefill vLLM (``kv_producer``: its steps end
-once their saves are committed) and a decode vLLM (``kv_consumer``) on it, vLLM's own prefix
-cache off in both, greedy decoding, float32, 32-token blocks. Prompts are the openings of
+once their saves are committed) and a decode vLLM (``kv_consumer``) on it, each on half of
+the CPUs (vLLM's processes spin a second after each message: sharing cores, one instance's
+spin stalled the other's next request by up to a second), vLLM's own prefix cache off in
+both, greedy decoding, float32, 32-token blocks. Prompts are the openings of
 the first ShareGPT conversations of 300-1500 tokens (the trained model's tokenizer; for a
 random checkpoint, the text's UTF-8 bytes as token ids).
 
@@ -95,6 +97,7 @@ class VllmServer:
     extra: dict[str, object]
     log: Path
     kv_cache_mib: int = 512
+    cores: tuple[int, ...] = ()  # run on these CPUs only (all: empty)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -112,6 +115,14 @@ class VllmServer:
                    "--kv-cache-memory-bytes", str(self.kv_cache_mib << 20), "--seed", "0",
                    "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
+        if self.cores:
+            # vLLM's processes spin for a second after each message (shm_broadcast's
+            # busy_loop_s): two instances sharing cores stall each other's next request by
+            # up to that. On cores of its own, as on nodes of its own, one never waits for
+            # the other.
+            cpus = ",".join(map(str, self.cores))
+            command = ["taskset", "-c", cpus, *command]
+            env |= {"OMP_NUM_THREADS": str(len(self.cores)), "VLLM_CPU_OMP_THREADS_BIND": cpus}
         with self.log.open("ab") as out:  # cwd elsewhere: the checkout's folders shadow nothing
             # A session of its own: vLLM's engine core and worker are processes of their
             # own, which stop and kill reach as a group.
@@ -165,15 +176,19 @@ def vllm_pair(
     *, ports: tuple[int, int], kv_cache_mib: int = 512,
 ) -> Iterator[tuple[VllmServer, VllmServer]]:  # fmt: skip
     """A prefill (``kv_producer``) and a decode (``kv_consumer``) server, started side by
-    side and serving; stopped on exit.
+    side, each on half of this process's CPUs, and serving; stopped on exit.
 
     Raises:
         RuntimeError: One exited or did not serve within ``START_TIMEOUT_S`` (its log named).
     """
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)  # each instance on cores of its own, as on its own node
+    prefill_cores = tuple(cores[:half])
+    decode_cores = tuple(cores[half:] or cores)
     prefill = VllmServer(model, ports[0], "kv_producer", prefill_extra, logs / "prefill.log",
-                         kv_cache_mib)  # fmt: skip
+                         kv_cache_mib, prefill_cores)  # fmt: skip
     decode = VllmServer(model, ports[1], "kv_consumer", decode_extra, logs / "decode.log",
-                        kv_cache_mib)  # fmt: skip
+                        kv_cache_mib, decode_cores)  # fmt: skip
     servers = (prefill, decode)
     try:
         for server in servers:
