@@ -225,7 +225,8 @@ class SchedulerSide:
         except Exception as error:
             self.lookup_errors += 1
             log.debug("lookup of request %s failed: %s", request.request_id, error)
-            self._count_handoff(getattr(request, "kv_transfer_params", None), usable, 0)
+            if not asked_before:
+                self._count_handoff(getattr(request, "kv_transfer_params", None), usable, 0)
             return 0
         timeline.lookup_answered = now()
         phases = timeline.phases()
@@ -234,7 +235,8 @@ class SchedulerSide:
         self._observe(phases)
         found = match.found
         held = min(found.num_blocks, usable)
-        self._count_handoff(getattr(request, "kv_transfer_params", None), usable, held)
+        if not asked_before:  # counted at its first lookup, however often vLLM asks again
+            self._count_handoff(getattr(request, "kv_transfer_params", None), usable, held)
         tracked.next_save = max(tracked.next_save, held)  # held blocks are never saved again
         if not self._load or not held:
             self._end_leases(match.leases)

@@ -220,6 +220,8 @@ def test_a_prefill_names_the_prompt_blocks_it_holds_and_a_decode_counts_what_it_
             "handoff_found_blocks": min(held, 5),
             **({"handoff_short": 1} if short else {}),
         }
+        consumer.matched_tokens(handed, 0)  # vLLM asks again (the request waited): one hand-off
+        assert consumer.counts["handoff_requests"] == 1
         consumer.allocated(handed, list(range(7)), min(held, 5) * 32)
         assert consumer.params("d") == {LEVELS_PARAM: {"host": min(held, 5) * 32}}
 
