@@ -2,7 +2,8 @@
 ``kvstore pd-proxy``: trained Gemma 3 270M on one daemon, a random Qwen2 on two daemons
 sharing a Redis tier.
 
-Each test starts its own pair (one test a pair: pytest's workers split a module's tests):
+Each test starts its own pair (one test a pair: pytest's workers split a module's tests),
+one pair on the machine at a time (``machine_lock``: a trained model's pair holds ~4.4 GB):
 a prefill vLLM (``kv_producer``: its steps end once their saves are committed) and a decode
 vLLM (``kv_consumer``), their own prefix caches off, greedy, float32, 32-token blocks; the
 harness is ``benchmarks.pd``. For each of 50 ShareGPT openings, sent one after another with
@@ -38,6 +39,7 @@ from tests.conftest import RedisServer
 from tests.support.benchmarks import benchmark
 from tests.support.daemon import Daemon, running_daemon
 from tests.support.files import fetched
+from tests.support.machine_lock import machine_lock
 from tests.support.net import free_port
 from tests.support.vllm_env import require_vllm
 
@@ -45,7 +47,7 @@ VLLM_PYTHON = require_vllm(module_level=True)
 pd = benchmark("pd")  # the harness: servers, the proxy, completions, ShareGPT prompts
 BLOCK: int = pd.BLOCK
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)  # a pair may wait for another suite's to end
 
 ANSWER = 4  # tokens of each answer compared (the first comes from the prompt's KV)
 PROMPTS = 50
@@ -58,6 +60,15 @@ class Pair:
 
     def __init__(self, model: Path, prefill: Any, decode: Any, proxy: PDProxy):
         self.model, self.prefill, self.decode, self.proxy = model, prefill, decode, proxy
+
+    def errors(self) -> str:
+        """The servers' error lines and tracebacks (for a failure's message)."""
+        lines = []
+        for server in (self.prefill, self.decode):
+            text = server.log.read_text(errors="replace").splitlines()
+            marked = [line for line in text if "ERROR" in line or "Traceback" in line]
+            lines += [f"{server.role}: {line}" for line in marked[-40:]]
+        return "\n".join(lines)
 
     def through_proxy(self, prompt: list[int]) -> Any:
         return pd.complete(self.proxy.server_address[1], self.model, prompt, ANSWER)
@@ -106,7 +117,8 @@ def check_handoffs(pair: Pair, prompts: list[list[int]]) -> None:
         assert pd.loaded_blocks(reference) == 0, number  # computed: nothing was stored for it
         handed = pair.through_proxy(prompt)
         usable = (len(prompt) - 1) // BLOCK
-        assert handed.headers["x-kvstore-handoff"] == f"blocks={len(prompt) // BLOCK}", number
+        named = handed.headers["x-kvstore-handoff"]
+        assert named == f"blocks={len(prompt) // BLOCK}", f"{number}: {named}\n{pair.errors()}"
         assert pd.loaded_blocks(handed) >= 0.95 * usable, (number, pd.loaded_blocks(handed), usable)
         assert handed.tokens == reference.tokens and len(reference.tokens) == ANSWER, number
     assert pair.proxy.counts == {"requests": len(prompts), "handoffs": len(prompts)}
@@ -121,7 +133,8 @@ def test_a_trained_model_decodes_from_its_prefills_kv_on_one_daemon(tmp_path: Pa
                                   lengths=GEMMA_LENGTHS)  # fmt: skip
     prompts = first_blocks_differ(prompts)
     with (
-        running_daemon(tmp_path / "daemon", host_capacity="512MiB", ssd_capacity=None) as daemon,
+        machine_lock("vllm-pair"),  # one pair of vLLM servers on the machine at a time
+        running_daemon(tmp_path / "daemon", host_capacity="256MiB", ssd_capacity=None) as daemon,
         running_pair(checkpoint, daemon, daemon, "gemma-3-270m", tmp_path) as pair,
     ):
         check_handoffs(pair, prompts[:PROMPTS])
@@ -164,6 +177,7 @@ def test_a_decode_node_loads_through_redis_what_a_prefill_node_saved(
     model = write_model(tmp_path / "model", arch="qwen2")
     prompts = first_blocks_differ(pd.sharegpt_prompts(2 * PROMPTS, vocab=1024, lengths=LENGTHS))
     with (
+        machine_lock("vllm-pair"),
         running_daemon(tmp_path / "node-a", **node) as prefill_node,
         running_daemon(tmp_path / "node-b", **node) as decode_node,
         running_pair(model, prefill_node, decode_node, "random-qwen2", tmp_path,
